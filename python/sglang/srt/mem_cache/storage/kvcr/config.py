@@ -1,0 +1,308 @@
+"""Frozen configuration of the KVCR direct linker, parsed from the startup flag.
+
+``--unified-cache-external-linker-config`` carries a JSON object. With
+``--unified-cache-external-linker-backend kvcr`` the object *is* this config; with
+the stock ``dynamic`` backend it goes under ``linker_extra_config``. Parsing rejects
+unknown keys by name, refuses the legacy ``local_dram_bytes`` with a migration hint,
+and checks ranges and cross-field rules, so a bad value fails at startup with one
+line that names the field and the fix. This module imports nothing heavy (no torch,
+kvcr or nixl): SGLang's frontend validates the config before any worker starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from sglang.srt.mem_cache.storage.kvcr.errors import KVCRConfigError
+
+FLAG = "--unified-cache-external-linker-config"
+BACKEND_FLAG = "--unified-cache-external-linker-backend"
+BACKEND_NAME = "kvcr"
+LINKER_CLASS_NAME = "KVCRDirectLinker"
+LINKER_MODULE_PATH = "sglang.srt.mem_cache.storage.kvcr.kvcr_direct_linker"
+
+_MIB = 1 << 20
+_EVICTION_POLICIES = ("lru", "fifo")
+
+
+def _doc(text: str) -> dict[str, str]:
+    return {"doc": text}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class KVCRLinkerConfig:
+    """Validated settings of one KVCR direct linker (one per worker process)."""
+
+    local_dram_bytes_per_worker: int = dataclasses.field(
+        metadata=_doc(
+            "Required. Bytes of host DRAM that KVCR owns for this worker process, "
+            "divided evenly among its local attention ranks; every pool gets the "
+            "same page count and the unused tail is logged."
+        )
+    )
+    control_bind_host: str = dataclasses.field(
+        default="127.0.0.1",
+        metadata=_doc(
+            "Address the KVCR peer control channel (ZMQ) binds to. Use 0.0.0.0 "
+            "only together with control_advertise_host."
+        ),
+    )
+    control_advertise_host: str = dataclasses.field(
+        default="",
+        metadata=_doc(
+            "Host peers are told to reach this worker at; empty means "
+            "control_bind_host. Required when binding a wildcard address."
+        ),
+    )
+    control_port: int = dataclasses.field(
+        default=0,
+        metadata=_doc(
+            "Control port of attention rank 0; rank r listens on control_port + r. "
+            "0 picks free ports (hints can then only name them explicitly)."
+        ),
+    )
+    operation_timeout_ms: int = dataclasses.field(
+        default=1000,
+        metadata=_doc("KVCR per-operation timeout; a peer silent this long is a miss."),
+    )
+    abandon_timeout_ms: int = dataclasses.field(
+        default=2000,
+        metadata=_doc(
+            "KVCR abandon window for unresolved remote operations; must be at "
+            "least 2x operation_timeout_ms (a kvcr 0.1.1 rule)."
+        ),
+    )
+    preparation_timeout_ms: int = dataclasses.field(
+        default=2000,
+        metadata=_doc(
+            "Deadline after enqueue at which a request's preparation is declared "
+            "ready with whatever pages have landed; the rest is recomputed."
+        ),
+    )
+    prepare_chunk_pages: int = dataclasses.field(
+        default=64,
+        metadata=_doc("Pages per KVCR fetch issued while preparing a request."),
+    )
+    max_inflight_offload_bytes: int = dataclasses.field(
+        default=256 * _MIB,
+        metadata=_doc(
+            "Bound on offload bytes queued or in flight; beyond it offloads complete "
+            "as failed (counted as backpressure) instead of queueing."
+        ),
+    )
+    max_inflight_prepare_bytes: int = dataclasses.field(
+        default=512 * _MIB,
+        metadata=_doc(
+            "Bound on bytes being fetched for preparations; beyond it preparation "
+            "fetches are skipped and the pages recomputed."
+        ),
+    )
+    max_abandoned_bytes: int = dataclasses.field(
+        default=256 * _MIB,
+        metadata=_doc(
+            "Bound on bytes held by operations whose requests went away; beyond it "
+            "new preparations are refused until KVCR resolves them."
+        ),
+    )
+    owner_wait_timeout_s: float = dataclasses.field(
+        default=30.0,
+        metadata=_doc(
+            "Longest the scheduler thread waits for the adapter's owner thread on "
+            "a synchronous call (startup, reset, close) before it raises."
+        ),
+    )
+    nixl_progress_thread: bool = dataclasses.field(
+        default=False,
+        metadata=_doc(
+            "Run NIXL's busy-polling progress thread. It costs one whole CPU core per "
+            "idle KVCR; off, the owner thread drives progress by polling."
+        ),
+    )
+    eviction_policy: str = dataclasses.field(
+        default="lru",
+        metadata=_doc("KVCR DRAM eviction policy: 'lru' or 'fifo'."),
+    )
+    peer_endpoint_allowlist: tuple[str, ...] = dataclasses.field(
+        default=(),
+        metadata=_doc(
+            "Hosts or CIDRs a kv.fetch hint may name as its source, each optionally "
+            "with ':port' or ':lo-hi'. Empty means this worker's advertised host. "
+            "Hints naming any other endpoint are ignored and counted."
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        _require_int(self, "local_dram_bytes_per_worker", minimum=1)
+        _require_int(self, "control_port", minimum=0, maximum=65535)
+        for name in (
+            "operation_timeout_ms",
+            "abandon_timeout_ms",
+            "preparation_timeout_ms",
+            "prepare_chunk_pages",
+            "max_inflight_offload_bytes",
+            "max_inflight_prepare_bytes",
+            "max_abandoned_bytes",
+        ):
+            _require_int(self, name, minimum=1)
+        if isinstance(self.owner_wait_timeout_s, bool) or not isinstance(
+            self.owner_wait_timeout_s, (int, float)
+        ):
+            raise _error("owner_wait_timeout_s", "must be a number of seconds")
+        if not 0 < self.owner_wait_timeout_s <= 3600:
+            raise _error("owner_wait_timeout_s", "must be in (0, 3600] seconds")
+        if not isinstance(self.nixl_progress_thread, bool):
+            raise _error("nixl_progress_thread", "must be true or false")
+        if self.eviction_policy not in _EVICTION_POLICIES:
+            raise _error(
+                "eviction_policy", f"must be one of {list(_EVICTION_POLICIES)}"
+            )
+        if self.abandon_timeout_ms < 2 * self.operation_timeout_ms:
+            raise _error(
+                "abandon_timeout_ms",
+                f"must be >= 2 x operation_timeout_ms "
+                f"({2 * self.operation_timeout_ms}); raise it or lower "
+                f"operation_timeout_ms",
+            )
+        for name in ("control_bind_host", "control_advertise_host"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or any(c.isspace() for c in value):
+                raise _error(name, "must be a host name or IP address without spaces")
+        if not self.control_bind_host:
+            raise _error("control_bind_host", "must not be empty")
+        if _is_wildcard(self.control_bind_host) and not self.control_advertise_host:
+            raise _error(
+                "control_advertise_host",
+                f"is required when control_bind_host is {self.control_bind_host!r}; "
+                f"set it to the address peers should dial",
+            )
+        if _is_wildcard(self.control_advertise_host):
+            raise _error(
+                "control_advertise_host", "must be a reachable address, not a wildcard"
+            )
+        allow = self.peer_endpoint_allowlist
+        if not isinstance(allow, tuple) or not all(isinstance(e, str) for e in allow):
+            raise _error("peer_endpoint_allowlist", "must be a list of strings")
+        for entry in allow:
+            parse_allowlist_entry(entry)
+
+    @property
+    def advertise_host(self) -> str:
+        """The host peers dial: the advertised host, else the bind host."""
+        return self.control_advertise_host or self.control_bind_host
+
+    @classmethod
+    def from_dict(cls, raw: object) -> KVCRLinkerConfig:
+        """Parse a decoded JSON object, rejecting unknown and legacy keys by name."""
+        if not isinstance(raw, Mapping):
+            raise KVCRConfigError(
+                f"{FLAG}: must be a JSON object, got {type(raw).__name__}; "
+                f'pass e.g. \'{{"local_dram_bytes_per_worker": 8589934592}}\''
+            )
+        if "local_dram_bytes" in raw:
+            raise _error(
+                "local_dram_bytes",
+                "is no longer accepted; rename it to local_dram_bytes_per_worker "
+                "(the value is now per worker process, split among its local ranks)",
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(str(k) for k in raw if k not in names)
+        if unknown:
+            raise KVCRConfigError(
+                f"{FLAG}: unknown fields: {unknown}; remove them "
+                f"(known fields: {sorted(names)})"
+            )
+        if "local_dram_bytes_per_worker" not in raw:
+            raise _error(
+                "local_dram_bytes_per_worker",
+                "is required; set it to the host DRAM bytes KVCR may own per "
+                "worker, e.g. 8589934592 for 8 GiB",
+            )
+        values = dict(raw)
+        allow = values.get("peer_endpoint_allowlist")
+        if isinstance(allow, list):
+            values["peer_endpoint_allowlist"] = tuple(allow)
+        return cls(**values)
+
+    @classmethod
+    def from_startup_config(cls, backend: str, raw: object) -> KVCRLinkerConfig:
+        """Parse the flag's value for ``backend`` ('kvcr', or 'dynamic' + extra)."""
+        if isinstance(raw, (str, bytes)):
+            try:
+                raw = json.loads(raw)
+            except ValueError as exc:
+                raise KVCRConfigError(
+                    f"{FLAG}: not valid JSON ({exc}); pass a JSON object"
+                ) from None
+        if raw is None:
+            raw = {}
+        if backend == "dynamic" and isinstance(raw, Mapping):
+            raw = raw.get("linker_extra_config", {})
+        return cls.from_dict(raw)
+
+
+def field_docs() -> dict[str, str]:
+    """Every config field with its documentation, in declaration order."""
+    return {f.name: f.metadata["doc"] for f in dataclasses.fields(KVCRLinkerConfig)}
+
+
+def parse_allowlist_entry(entry: str) -> tuple[ipaddress._BaseNetwork | str, int, int]:
+    """Parse ``host|cidr[:port|:lo-hi]`` into (network or host name, lo, hi)."""
+    text = entry.strip()
+    port_lo, port_hi = 0, 65535
+    host = text
+    if text.startswith("["):  # [v6]:port
+        host, _, rest = text[1:].partition("]")
+        if rest.startswith(":"):
+            port_lo, port_hi = _parse_ports(entry, rest[1:])
+    elif text.count(":") == 1:
+        host, _, ports = text.partition(":")
+        port_lo, port_hi = _parse_ports(entry, ports)
+    if not host:
+        raise _error("peer_endpoint_allowlist", f"entry {entry!r} has no host")
+    try:
+        return ipaddress.ip_network(host, strict=False), port_lo, port_hi
+    except ValueError:
+        if any(c.isspace() or c in "/[]" for c in host):
+            raise _error(
+                "peer_endpoint_allowlist", f"entry {entry!r} is not a host or CIDR"
+            ) from None
+        return host.lower(), port_lo, port_hi
+
+
+def _parse_ports(entry: str, text: str) -> tuple[int, int]:
+    lo_text, _, hi_text = text.partition("-")
+    try:
+        lo = int(lo_text)
+        hi = int(hi_text) if hi_text else lo
+    except ValueError:
+        raise _error(
+            "peer_endpoint_allowlist", f"entry {entry!r} has a bad port range"
+        ) from None
+    if not 0 < lo <= hi <= 65535:
+        raise _error(
+            "peer_endpoint_allowlist", f"entry {entry!r} ports must be in 1..65535"
+        )
+    return lo, hi
+
+
+def _is_wildcard(host: str) -> bool:
+    return host in ("0.0.0.0", "::", "*")
+
+
+def _require_int(
+    cfg: KVCRLinkerConfig, name: str, *, minimum: int, maximum: int | None = None
+) -> None:
+    value: Any = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _error(name, f"must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise _error(name, f"must be {bound}, got {value}")
+
+
+def _error(name: str, problem: str) -> KVCRConfigError:
+    return KVCRConfigError(f"{FLAG}: field '{name}' {problem}")
