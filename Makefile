@@ -1,0 +1,43 @@
+# sglang-kvcr: `make demo` runs the main job, `make test` runs the tests.
+# Both create .venv when it is missing (or stale) and reuse it otherwise.
+SHELL := /bin/bash
+PY_BOOT ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.sglang-kvcr-stamp
+HARNESS := $(CURDIR)/test/cpu_harness
+# Everything that runs SGLang or KVCR here: loopback only, quiet NIXL, scratch caches.
+export UCX_NET_DEVICES := lo
+export NIXL_LOG_LEVEL := WARN
+export SGLANG_KVCR_CACHE_DIR ?= $(CURDIR)/.cache
+export PYTHONPATH := $(HARNESS)/pythonpath$(if $(PYTHONPATH),:$(PYTHONPATH))
+PYTEST_ARGS ?=
+
+.PHONY: venv test demo bench faults lint clean-venv
+
+venv: $(STAMP)
+
+# torch==2.13.0 is the first line of requirements/cpu.txt, so the CPU build is pinned
+# in the same pip command as everything that depends on torch. sglang and
+# sglang-kernel go in with --no-deps: their metadata pins CUDA-only packages.
+$(STAMP): requirements/cpu.txt pyproject.toml
+	test -x $(PY) || $(PY_BOOT) -m venv $(VENV)
+	$(PIP) install -q --disable-pip-version-check -r requirements/cpu.txt
+	$(PIP) install -q --disable-pip-version-check --no-deps sglang==0.5.23 sglang-kernel==0.4.10
+	$(PIP) install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(PY) -c "import torch, kvcr, sglang; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(PY) test/manual/kvcr_direct_linker/kvcr_validate.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check python test examples
+	$(VENV)/bin/mypy
+
+clean-venv:
+	rm -rf $(VENV)
