@@ -1,0 +1,578 @@
+"""Owner-thread adapter: the only code that calls into a ``kvcr.KVCR`` instance.
+
+One daemon thread constructs the KVCR, runs every call on it (deposit, fetch,
+query, submit/discard hint, release, poll_completed, close) and keeps polling
+completions while idle, so this rank serves peers and releases source claims even
+when the scheduler is busy. The scheduler thread only enqueues frozen command
+objects and drains typed results; synchronous calls (startup, query, reset, close)
+wait on a future with a deadline. In-flight offload, preparation and abandoned
+bytes are bounded: a command over budget completes at once as ``REFUSED`` and is
+counted, never queued. A failure of the owner thread is stored and re-raised as
+``KVCRAdapterFailed`` on the scheduler's next call. No network waits or
+collectives run on the owner thread; KVCR callbacks (pins, inventory, resilience)
+arrive on it and are answered there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, TypeVar
+
+from sglang.srt.mem_cache.storage.kvcr.errors import (
+    KVCRAdapterFailed,
+    KVCRTimeoutError,
+    KVCRUnavailableError,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_STOP = object()
+_BUSY_POLL_S = 0.0002  # owner loop period while operations are in flight
+_IDLE_POLL_S = 0.002  # while idle: still polls, so this rank keeps serving peers
+_MAX_COMMANDS_PER_TURN = 64
+
+
+class OpKind(enum.Enum):
+    DEPOSIT = "deposit"
+    FETCH = "fetch"
+
+
+class Budget(enum.Enum):
+    """Which in-flight byte bound an operation is charged to."""
+
+    OFFLOAD = "offload"
+    PREPARE = "prepare"
+
+
+class EntryStatus(enum.Enum):
+    SUCCESS = "success"
+    FAILED = "failed"
+    DROPPED = "dropped"
+    REFUSED = "refused"  # over budget, never reached KVCR
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EntryResult:
+    status: EntryStatus
+    slots: tuple[Any, ...] | None = None  # kvcr MemoryRefs into KVCR DRAM
+    claim: int | None = None  # release handle; must be released exactly once
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OpDone:
+    op_id: int
+    kind: OpKind
+    entries: Mapping[bytes, EntryResult]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class InventoryChange:
+    keys: tuple[bytes, ...]
+    removed: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Deposit:
+    op_id: int
+    blocks: Mapping[bytes, list[Any]]
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fetch:
+    op_id: int
+    keys: tuple[bytes, ...]
+    request_id: str
+    expected_layout: tuple[str, ...]
+    nbytes: int
+    hint: Mapping[str, Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Release:
+    claims: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DiscardHint:
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Call:
+    fn: Callable[[Any], Any]
+    future: Future[Any]
+
+
+Command = Deposit | Fetch | Release | DiscardHint | _Call
+
+
+@dataclasses.dataclass(slots=True)
+class AdapterStats:
+    deposits: int = 0
+    fetches: int = 0
+    refused_offload: int = 0
+    refused_prepare: int = 0
+    claims_released: int = 0
+    resilience_events: int = 0
+    inflight_offload_bytes: int = 0
+    inflight_prepare_bytes: int = 0
+    peak_offload_bytes: int = 0
+    peak_prepare_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdapterLimits:
+    max_inflight_offload_bytes: int
+    max_inflight_prepare_bytes: int
+    wait_timeout_s: float
+
+
+@dataclasses.dataclass(slots=True)
+class _Inflight:
+    kind: OpKind
+    op_id: int
+    budget: Budget
+    nbytes: int
+
+
+class _NoPinFramework:
+    """Declines every source pin at once: this linker serves peers only from KVCR
+    DRAM, never by pinning device pages, so a stale hint fails fast per key."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._answers: list[tuple[int, None]] = []
+
+    def request_pin(self, keys: Iterable[bytes]) -> int:
+        pin_id = next(self._ids)
+        self._answers.append((pin_id, None))
+        return pin_id
+
+    def poll_pin_results(self) -> list[tuple[int, None]]:
+        answers, self._answers = self._answers, []
+        return answers
+
+    @staticmethod
+    def release_pin(handle: object) -> bool:
+        return True
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Callbacks:
+    """What the adapter hands to the KVCR factory (all run on the owner thread)."""
+
+    request_pin: Callable[[Iterable[bytes]], int]
+    poll_pin_results: Callable[[], list[tuple[int, None]]]
+    release_pin: Callable[[object], bool]
+    inventory_sink: Callable[[Any], None]
+    on_resilience_event: Callable[[Exception], None]
+
+
+class KVCRAdapter:
+    """Runs one KVCR on a dedicated owner thread; see the module docstring."""
+
+    def __init__(
+        self,
+        factory: Callable[[Callbacks], Any],
+        limits: AdapterLimits,
+        *,
+        name: str = "kvcr",
+    ) -> None:
+        self._limits = limits
+        self._commands: queue.SimpleQueue[Command | object] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[OpDone | InventoryChange] = (
+            queue.SimpleQueue()
+        )
+        self._op_ids = itertools.count(1)
+        self._failure: BaseException | None = None
+        self._stats = AdapterStats()
+        self._stats_lock = threading.Lock()
+        # Owner-thread state.
+        self._kvcr: Any = None
+        self._inflight: dict[int, _Inflight] = {}
+        self._pins = _NoPinFramework()
+        self.endpoint = ""  # peer control endpoint, set once KVCR is up
+        started: Future[None] = Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(factory, started), name=f"{name}-owner", daemon=True
+        )
+        self._thread.start()
+        try:
+            started.result(timeout=limits.wait_timeout_s)
+        except FutureTimeout:
+            self._failure = KVCRTimeoutError("KVCR startup timed out")
+            raise KVCRUnavailableError(
+                f"KVCR did not start within {limits.wait_timeout_s:.0f} s "
+                "(owner_wait_timeout_s); check host DRAM size and UCX settings"
+            ) from None
+        except Exception as exc:
+            raise KVCRUnavailableError(f"KVCR failed to start: {exc}") from exc
+
+    # ---- scheduler-thread API -------------------------------------------------
+
+    @property
+    def owner_thread(self) -> threading.Thread:
+        return self._thread
+
+    def next_op_id(self) -> int:
+        return next(self._op_ids)
+
+    def submit(self, command: Deposit | Fetch | Release | DiscardHint) -> None:
+        """Enqueue a command; results arrive through ``drain``."""
+        self._raise_if_failed()
+        if isinstance(command, (Deposit, Fetch)):
+            budget = Budget.OFFLOAD if isinstance(command, Deposit) else Budget.PREPARE
+            if not self._charge(budget, command.nbytes):
+                keys = command.blocks if isinstance(command, Deposit) else command.keys
+                kind = OpKind.DEPOSIT if isinstance(command, Deposit) else OpKind.FETCH
+                refused = EntryResult(EntryStatus.REFUSED)
+                self._results.put(
+                    OpDone(command.op_id, kind, {key: refused for key in keys})
+                )
+                return
+        self._commands.put(command)
+
+    def drain(self) -> list[OpDone | InventoryChange]:
+        """Every result produced since the last drain, in production order."""
+        self._raise_if_failed()
+        out: list[OpDone | InventoryChange] = []
+        while True:
+            try:
+                out.append(self._results.get_nowait())
+            except queue.Empty:
+                return out
+
+    def call(self, fn: Callable[[Any], T], timeout_s: float | None = None) -> T:
+        """Run ``fn(kvcr)`` on the owner thread and wait for it, with a deadline."""
+        self._raise_if_failed()
+        future: Future[Any] = Future()
+        self._commands.put(_Call(fn, future))
+        timeout = self._limits.wait_timeout_s if timeout_s is None else timeout_s
+        try:
+            return future.result(timeout=timeout)  # type: ignore[no-any-return]
+        except FutureTimeout:
+            self._raise_if_failed()
+            raise KVCRTimeoutError(
+                f"KVCR owner thread did not answer within {timeout:.1f} s"
+            ) from None
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no operation is in flight; False at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.call(lambda kv: not self._inflight, timeout_s=timeout_s):
+                return True
+            time.sleep(0.002)
+        return False
+
+    def stats(self) -> AdapterStats:
+        with self._stats_lock:
+            return dataclasses.replace(self._stats)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop the owner thread and close the KVCR, both bounded."""
+        timeout = self._limits.wait_timeout_s if timeout_s is None else timeout_s
+        if self._thread.is_alive():
+            self._commands.put(_STOP)
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise KVCRTimeoutError(f"KVCR owner thread still alive after {timeout} s")
+        if self._failure is not None and not isinstance(
+            self._failure, _ClosedError
+        ):
+            raise KVCRAdapterFailed("KVCR owner thread failed") from self._failure
+
+    # ---- budget ------------------------------------------------------------------
+
+    def _charge(self, budget: Budget, nbytes: int) -> bool:
+        with self._stats_lock:
+            s = self._stats
+            if budget is Budget.OFFLOAD:
+                if s.inflight_offload_bytes + nbytes > self._limits.max_inflight_offload_bytes:
+                    s.refused_offload += 1
+                    return False
+                s.inflight_offload_bytes += nbytes
+                s.peak_offload_bytes = max(s.peak_offload_bytes, s.inflight_offload_bytes)
+            else:
+                if s.inflight_prepare_bytes + nbytes > self._limits.max_inflight_prepare_bytes:
+                    s.refused_prepare += 1
+                    return False
+                s.inflight_prepare_bytes += nbytes
+                s.peak_prepare_bytes = max(s.peak_prepare_bytes, s.inflight_prepare_bytes)
+            return True
+
+    def _uncharge(self, budget: Budget, nbytes: int) -> None:
+        with self._stats_lock:
+            if budget is Budget.OFFLOAD:
+                self._stats.inflight_offload_bytes -= nbytes
+            else:
+                self._stats.inflight_prepare_bytes -= nbytes
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            if isinstance(self._failure, _ClosedError):
+                raise KVCRAdapterFailed("KVCR adapter is closed")
+            raise KVCRAdapterFailed(
+                f"KVCR owner thread failed: {self._failure!r}"
+            ) from self._failure
+
+    # ---- owner thread ---------------------------------------------------------
+
+    def _run(self, factory: Callable[[Callbacks], Any], started: Future[None]) -> None:
+        try:
+            self._kvcr = factory(
+                Callbacks(
+                    request_pin=self._pins.request_pin,
+                    poll_pin_results=self._pins.poll_pin_results,
+                    release_pin=self._pins.release_pin,
+                    inventory_sink=self._on_inventory,
+                    on_resilience_event=self._on_resilience,
+                )
+            )
+        except BaseException as exc:
+            self._failure = exc
+            started.set_exception(exc)
+            return
+        self.endpoint = str(getattr(factory, "endpoint", ""))
+        started.set_result(None)
+        try:
+            self._loop()
+        except BaseException as exc:
+            logger.exception("KVCR owner thread failed")
+            self._failure = exc
+        finally:
+            self._shutdown()
+
+    def _loop(self) -> None:
+        while True:
+            period = _BUSY_POLL_S if self._inflight else _IDLE_POLL_S
+            try:
+                first = self._commands.get(timeout=period)
+            except queue.Empty:
+                first = None
+            batch = [] if first is None else [first]
+            while len(batch) < _MAX_COMMANDS_PER_TURN:
+                try:
+                    batch.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for command in batch:
+                if command is _STOP:
+                    self._poll()
+                    return
+                self._execute(command)
+            self._poll()
+
+    def _execute(self, command: object) -> None:
+        kv = self._kvcr
+        if isinstance(command, Deposit):
+            handle = kv.deposit(dict(command.blocks))
+            self._inflight[handle] = _Inflight(
+                OpKind.DEPOSIT, command.op_id, Budget.OFFLOAD, command.nbytes
+            )
+            with self._stats_lock:
+                self._stats.deposits += 1
+        elif isinstance(command, Fetch):
+            if command.hint is not None:
+                try:
+                    kv.submit_hint(dict(command.hint), command.request_id)
+                except ValueError as exc:
+                    logger.debug("KVCR refused hint for %s: %s", command.request_id, exc)
+            handle = kv.fetch(
+                list(command.keys),
+                request_id=command.request_id,
+                expected_layout=list(command.expected_layout),
+            )
+            self._inflight[handle] = _Inflight(
+                OpKind.FETCH, command.op_id, Budget.PREPARE, command.nbytes
+            )
+            with self._stats_lock:
+                self._stats.fetches += 1
+        elif isinstance(command, Release):
+            results = kv.release(list(command.claims))
+            released = sum(1 for _, ok in results if ok)
+            with self._stats_lock:
+                self._stats.claims_released += released
+        elif isinstance(command, DiscardHint):
+            kv.discard_hint(command.request_id)
+        elif isinstance(command, _Call):
+            if command.future.set_running_or_notify_cancel():
+                try:
+                    command.future.set_result(command.fn(kv))
+                except BaseException as exc:
+                    command.future.set_exception(exc)
+
+    def _poll(self) -> None:
+        for handle, entries in self._kvcr.poll_completed():
+            op = self._inflight.pop(handle, None)
+            if op is None:
+                logger.warning("KVCR completed an unknown operation %s", handle)
+                continue
+            self._uncharge(op.budget, op.nbytes)
+            self._results.put(
+                OpDone(
+                    op.op_id,
+                    op.kind,
+                    {bytes(key): _entry(result) for key, result in entries.items()},
+                )
+            )
+
+    def _on_inventory(self, event: Any) -> None:
+        self._results.put(
+            InventoryChange(tuple(bytes(k) for k in event.keys), bool(event.removed))
+        )
+
+    def _on_resilience(self, exc: Exception) -> None:
+        with self._stats_lock:
+            self._stats.resilience_events += 1
+        logger.warning("KVCR resilience event: %s", exc)
+
+    def _shutdown(self) -> None:
+        kv, self._kvcr = self._kvcr, None
+        if self._failure is None:
+            self._failure = _ClosedError()
+        # Answer callers still waiting so nobody blocks past its own deadline.
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Call) and command.future.set_running_or_notify_cancel():
+                command.future.set_exception(KVCRAdapterFailed("KVCR adapter closed"))
+        if kv is not None:
+            try:
+                kv.close()
+            except Exception:
+                # kvcr keeps backend resources alive when a peer left an operation
+                # unresolved; they stay referenced until the process exits.
+                _RETAINED.append(kv)
+                logger.exception("KVCR close was not clean; resources retained")
+
+
+class _ClosedError(Exception):
+    """Marks a normally closed adapter (not a failure)."""
+
+
+_RETAINED: list[Any] = []
+
+
+def _entry(result: Any) -> EntryResult:
+    status = EntryStatus[result.status.name]
+    slots = tuple(result.descriptors) if result.descriptors else None
+    return EntryResult(status, slots, result.release_handle)
+
+
+def make_kvcr_factory(
+    *,
+    agent_name: str,
+    pool_layouts: Sequence[tuple[str, int]],
+    framework_regions: Sequence[Any],
+    local_dram_pools: Sequence[tuple[str, int, int]],
+    key_adapter: Any,
+    control_bind_host: str,
+    control_advertise_host: str,
+    control_port: int,
+    operation_timeout_ms: int,
+    abandon_timeout_ms: int,
+    eviction_policy: str,
+    nixl_progress_thread: bool,
+) -> Callable[[Callbacks], Any]:
+    """A factory that builds the real KVCR on the owner thread."""
+
+    def build(callbacks: Callbacks) -> Any:
+        from kvcr import KVCR, KVCRBindings
+        from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions
+        from kvcr.control_channels import ZmqPeerControlChannel
+        from kvcr.policy import FIFOPolicy, LRUPolicy
+
+        port = control_port or _free_port(control_bind_host)
+        control = ZmqPeerControlChannel(control_bind_host, port, control_advertise_host)
+        build.endpoint = str(control.endpoint)  # type: ignore[attr-defined]
+        policy = LRUPolicy() if eviction_policy == "lru" else FIFOPolicy()
+        try:
+            with _progress_thread_setting(nixl_progress_thread):
+                return KVCR(
+                    KVCRConfig(
+                        nixl_agent_name=agent_name,
+                        pool_layouts=list(pool_layouts),
+                        operation_timeout_ms=operation_timeout_ms,
+                        abandon_timeout_ms=abandon_timeout_ms,
+                        nixl_listen_port=0,
+                    ),
+                    KVCRBindings(
+                        request_pin=callbacks.request_pin,
+                        poll_pin_results=callbacks.poll_pin_results,
+                        release_pin=callbacks.release_pin,
+                        framework_control=control,
+                        key_adapter=key_adapter,
+                        inventory_sink=callbacks.inventory_sink,
+                        policy=policy,
+                        on_resilience_event=callbacks.on_resilience_event,
+                    ),
+                    KVCRBackendConfigs(
+                        framework_regions=list(framework_regions),
+                        local_dram=LocalDramOptions(pools=list(local_dram_pools)),
+                    ),
+                )
+        except BaseException:
+            close = getattr(control, "close", None)
+            if close is not None:
+                close()
+            raise
+
+    return build
+
+
+_PROGRESS_LOCK = threading.Lock()
+_progress_enabled = True
+_patched = False
+
+
+class _progress_thread_setting:
+    """Build a KVCR with NIXL's busy-polling progress thread on or off.
+
+    kvcr 0.1.1 offers no switch, so its ``nixl_agent_config`` is wrapped once to
+    read this module's setting; the lock makes the setting per construction.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self._enabled = enabled
+
+    def __enter__(self) -> None:
+        global _progress_enabled, _patched
+        _PROGRESS_LOCK.acquire()
+        if not _patched:
+            import kvcr.progress as progress
+
+            original = progress.nixl_agent_config
+
+            def config(*args: Any, **kwargs: Any) -> Any:
+                return original(
+                    *args, **{**kwargs, "enable_prog_thread": _progress_enabled}
+                )
+
+            progress.nixl_agent_config = config
+            _patched = True
+        _progress_enabled = self._enabled
+
+    def __exit__(self, *exc: object) -> None:
+        _PROGRESS_LOCK.release()
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host if host not in ("0.0.0.0", "") else "", 0))
+        return int(sock.getsockname()[1])

@@ -1,0 +1,76 @@
+"""Optional request-preparation hooks a linker may implement, with no-op defaults.
+
+SGLang 0.5.23's ``UnifiedCacheLinker`` has no way to see a request before its
+``lookup``. These hooks add one: the scheduler hands the request's device-uncached
+tail to ``prepare_request`` at enqueue, polls ``preparation_ready`` (MIN-reduced
+across the attention group) before admitting it, and reports the end of the request
+through ``release_request`` (abort) and ``finish_request`` (every release). Linkers
+that do not subclass ``PreparationHooks`` are driven exactly as before: the
+integration reads every hook with ``getattr`` and these defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LinkerRequestContext:
+    """What a linker learns about a request when it is enqueued."""
+
+    rid: str
+    attempt_id: int = 0
+    kv_hints: Any = None  # sglang KvHintsEnvelope, a plain dict, or None
+
+    @property
+    def handle(self) -> str:
+        """Identity of this attempt; a retried request gets a new one."""
+        return f"{self.rid}#{self.attempt_id}"
+
+
+class PreparationHooks:
+    """Default (no-op) implementations of the optional linker hooks."""
+
+    prepares_requests: bool = False
+    publishes_external_events: bool = False
+
+    def prepare_request(self, ctx: LinkerRequestContext, transfers: list[Any]) -> Any:
+        """Start making the tail ready; returns a handle for ``preparation_ready``."""
+        return None
+
+    def preparation_ready(self, handle: Any) -> bool:
+        """True when the request may be admitted (done, or past its deadline)."""
+        return True
+
+    def release_request(self, rid: str) -> None:
+        """The request was aborted before it ran: drop everything held for it."""
+
+    def finish_request(self, rid: str) -> None:
+        """The request released its KV (finish, abort or retract)."""
+
+    def take_removed_page_hashes(self) -> list[str]:
+        """Page hashes whose external copy was evicted since the last call."""
+        return []
+
+
+HOOK_NAMES = (
+    "prepares_requests",
+    "publishes_external_events",
+    "prepare_request",
+    "preparation_ready",
+    "release_request",
+    "finish_request",
+    "take_removed_page_hashes",
+)
+
+
+def linker_hook(linker: object, name: str) -> Any:
+    """The linker's hook ``name``, or the no-op default when it has none."""
+    if name not in HOOK_NAMES:
+        raise AttributeError(name)
+    default = getattr(PreparationHooks, name)
+    value = getattr(linker, name, default)
+    if callable(default) and value is default:
+        return default.__get__(linker)
+    return value

@@ -1,0 +1,231 @@
+"""KVCRAdapter over a real kvcr 0.1.1 + NIXL on CPU tensors (loopback only)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from sglang.srt.mem_cache.storage.kvcr.errors import (
+    KVCRAdapterFailed,
+    KVCRUnavailableError,
+)
+from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import (
+    AdapterLimits,
+    Deposit,
+    EntryStatus,
+    Fetch,
+    InventoryChange,
+    KVCRAdapter,
+    OpDone,
+    Release,
+    make_kvcr_factory,
+)
+
+pytestmark = pytest.mark.kvcr
+
+BLOCK = 4096
+SLOTS = 8
+
+
+class _IntKeys:
+    def encode(self, key: object) -> bytes:
+        return bytes(key)  # type: ignore[arg-type]
+
+    def decode(self, key: bytes) -> int:
+        return int.from_bytes(key[:8], "big")
+
+
+def _make(fw: torch.Tensor, store: torch.Tensor, name: str, *, offload_budget=1 << 30):
+    from kvcr.types import RegionDescriptor
+
+    factory = make_kvcr_factory(
+        agent_name=name,
+        pool_layouts=[("kv", BLOCK)],
+        framework_regions=[
+            RegionDescriptor(
+                mem_type="DRAM", addr=fw.data_ptr(), size=BLOCK, count=fw.shape[0], label="kv"
+            )
+        ],
+        local_dram_pools=[("kv", store.data_ptr(), store.numel())],
+        key_adapter=_IntKeys(),
+        control_bind_host="127.0.0.1",
+        control_advertise_host="127.0.0.1",
+        control_port=0,
+        operation_timeout_ms=500,
+        abandon_timeout_ms=1000,
+        eviction_policy="lru",
+        nixl_progress_thread=False,
+    )
+    limits = AdapterLimits(
+        max_inflight_offload_bytes=offload_budget,
+        max_inflight_prepare_bytes=1 << 30,
+        wait_timeout_s=20.0,
+    )
+    return KVCRAdapter(factory, limits, name=name)
+
+
+def _ref(name: str, i: int):
+    from kvcr.types import MemoryRef
+
+    return MemoryRef(end_point_name=name, label="kv", element_index=i)
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(8, "big")
+
+
+def _wait_for(adapter: KVCRAdapter, op_id: int, timeout: float = 10.0) -> OpDone:
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        for item in adapter.drain():
+            if isinstance(item, OpDone) and item.op_id == op_id:
+                return item
+            seen.append(item)
+        time.sleep(0.001)
+    raise AssertionError(f"op {op_id} did not complete in {timeout} s; saw {seen}")
+
+
+@pytest.fixture
+def buffers():
+    torch.manual_seed(0)
+    fw = torch.randint(0, 256, (16, BLOCK), dtype=torch.uint8)
+    store = torch.zeros(SLOTS * BLOCK, dtype=torch.uint8)
+    return fw, store
+
+
+def test_deposit_fetch_release_round_trip_is_byte_exact(buffers):
+    """Pages deposited through the adapter come back claimed, bytes equal, then release."""
+    fw, store = buffers
+    adapter = _make(fw, store, "adapter-rt")
+    try:
+        op = adapter.next_op_id()
+        adapter.submit(
+            Deposit(op_id=op, blocks={_key(i): [_ref("adapter-rt", i)] for i in range(3)}, nbytes=3 * BLOCK)
+        )
+        done = _wait_for(adapter, op)
+        assert {e.status for e in done.entries.values()} == {EntryStatus.SUCCESS}
+        op = adapter.next_op_id()
+        adapter.submit(
+            Fetch(op_id=op, keys=tuple(_key(i) for i in range(3)) + (_key(99),),
+                  request_id="r1", expected_layout=("kv",), nbytes=4 * BLOCK)
+        )
+        done = _wait_for(adapter, op)
+        assert done.entries[_key(99)].status is EntryStatus.FAILED
+        slots = store.view(SLOTS, BLOCK)
+        for i in range(3):
+            entry = done.entries[_key(i)]
+            assert entry.status is EntryStatus.SUCCESS and entry.claim is not None
+            assert torch.equal(slots[entry.slots[0].element_index], fw[i])
+        claims = tuple(done.entries[_key(i)].claim for i in range(3))
+        adapter.submit(Release(claims))
+        assert adapter.wait_idle(5.0)
+        deadline = time.monotonic() + 5
+        while adapter.stats().claims_released < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert adapter.stats().claims_released == 3
+    finally:
+        adapter.close()
+
+
+def test_every_kvcr_call_runs_on_the_owner_thread(buffers):
+    """Construction, deposit, poll, query and close all run on the adapter's thread."""
+    fw, store = buffers
+    adapter = _make(fw, store, "adapter-thread")
+    seen: list[str] = []
+    try:
+        kv = adapter.call(lambda kv: kv)
+        for name in ("deposit", "fetch", "poll_completed", "query", "release", "close"):
+            original = getattr(kv, name)
+
+            def spy(*a, _orig=original, _name=name, **k):
+                seen.append(threading.current_thread().name)
+                return _orig(*a, **k)
+
+            setattr(kv, name, spy)
+        op = adapter.next_op_id()
+        adapter.submit(Deposit(op_id=op, blocks={_key(1): [_ref("adapter-thread", 1)]}, nbytes=BLOCK))
+        _wait_for(adapter, op)
+        assert adapter.call(lambda kv: kv.query([_key(1)]))[0][0].name == "HIT"
+    finally:
+        adapter.close()
+    assert seen and set(seen) == {adapter.owner_thread.name}
+    assert threading.current_thread().name not in seen
+
+
+def test_inventory_events_report_stores_and_evictions(buffers):
+    """Filling past capacity evicts and both directions reach the drain."""
+    fw, store = buffers
+    adapter = _make(fw, store, "adapter-inv")
+    events: list[InventoryChange] = []
+    try:
+        for i in range(SLOTS + 2):
+            op = adapter.next_op_id()
+            adapter.submit(Deposit(op_id=op, blocks={_key(i): [_ref("adapter-inv", i)]}, nbytes=BLOCK))
+            deadline = time.monotonic() + 10
+            done = None
+            while done is None and time.monotonic() < deadline:
+                for item in adapter.drain():
+                    if isinstance(item, InventoryChange):
+                        events.append(item)
+                    elif item.op_id == op:
+                        done = item
+                time.sleep(0.001)
+            assert done is not None
+    finally:
+        adapter.close()
+    stored = {k for e in events if not e.removed for k in e.keys}
+    removed = {k for e in events if e.removed for k in e.keys}
+    assert stored == {_key(i) for i in range(SLOTS + 2)}
+    assert len(removed) == 2
+
+
+def test_offload_over_budget_is_refused_at_once_and_counted(buffers):
+    """A deposit beyond max_inflight_offload_bytes never reaches KVCR: REFUSED."""
+    fw, store = buffers
+    adapter = _make(fw, store, "adapter-budget", offload_budget=2 * BLOCK)
+    try:
+        op = adapter.next_op_id()
+        blocks = {_key(i): [_ref("adapter-budget", i)] for i in range(3)}
+        adapter.submit(Deposit(op_id=op, blocks=blocks, nbytes=3 * BLOCK))
+        done = _wait_for(adapter, op, timeout=1.0)
+        assert {e.status for e in done.entries.values()} == {EntryStatus.REFUSED}
+        assert adapter.stats().refused_offload == 1
+        assert adapter.stats().deposits == 0
+    finally:
+        adapter.close()
+
+
+def test_factory_failure_is_a_typed_startup_error():
+    """A KVCR that cannot start raises KVCRUnavailableError naming the cause."""
+
+    def broken(callbacks):
+        raise RuntimeError("no DRAM for you")
+
+    limits = AdapterLimits(1, 1, 5.0)
+    with pytest.raises(KVCRUnavailableError, match="no DRAM for you"):
+        KVCRAdapter(broken, limits)
+
+
+def test_owner_thread_crash_is_reraised_on_the_next_scheduler_call():
+    """A failure inside the owner loop surfaces as KVCRAdapterFailed, with its cause."""
+
+    class Exploding:
+        def poll_completed(self):
+            raise RuntimeError("progress thread died")
+
+        def close(self):
+            pass
+
+    adapter = KVCRAdapter(lambda cb: Exploding(), AdapterLimits(1, 1, 5.0))
+    deadline = time.monotonic() + 5
+    while adapter.owner_thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(KVCRAdapterFailed) as info:
+        adapter.drain()
+    assert "progress thread died" in repr(info.value.__cause__)
+    with pytest.raises(KVCRAdapterFailed):
+        adapter.close()
