@@ -46,7 +46,11 @@ def _make(fw: torch.Tensor, store: torch.Tensor, name: str, *, offload_budget=1 
         pool_layouts=[("kv", BLOCK)],
         framework_regions=[
             RegionDescriptor(
-                mem_type="DRAM", addr=fw.data_ptr(), size=BLOCK, count=fw.shape[0], label="kv"
+                mem_type="DRAM",
+                addr=fw.data_ptr(),
+                size=BLOCK,
+                count=fw.shape[0],
+                label="kv",
             )
         ],
         local_dram_pools=[("kv", store.data_ptr(), store.numel())],
@@ -104,14 +108,23 @@ def test_deposit_fetch_release_round_trip_is_byte_exact(buffers):
     try:
         op = adapter.next_op_id()
         adapter.submit(
-            Deposit(op_id=op, blocks={_key(i): [_ref("adapter-rt", i)] for i in range(3)}, nbytes=3 * BLOCK)
+            Deposit(
+                op_id=op,
+                blocks={_key(i): [_ref("adapter-rt", i)] for i in range(3)},
+                nbytes=3 * BLOCK,
+            )
         )
         done = _wait_for(adapter, op)
         assert {e.status for e in done.entries.values()} == {EntryStatus.SUCCESS}
         op = adapter.next_op_id()
         adapter.submit(
-            Fetch(op_id=op, keys=tuple(_key(i) for i in range(3)) + (_key(99),),
-                  request_id="r1", expected_layout=("kv",), nbytes=4 * BLOCK)
+            Fetch(
+                op_id=op,
+                keys=tuple(_key(i) for i in range(3)) + (_key(99),),
+                request_id="r1",
+                expected_layout=("kv",),
+                nbytes=4 * BLOCK,
+            )
         )
         done = _wait_for(adapter, op)
         assert done.entries[_key(99)].status is EntryStatus.FAILED
@@ -147,7 +160,11 @@ def test_every_kvcr_call_runs_on_the_owner_thread(buffers):
 
             setattr(kv, name, spy)
         op = adapter.next_op_id()
-        adapter.submit(Deposit(op_id=op, blocks={_key(1): [_ref("adapter-thread", 1)]}, nbytes=BLOCK))
+        adapter.submit(
+            Deposit(
+                op_id=op, blocks={_key(1): [_ref("adapter-thread", 1)]}, nbytes=BLOCK
+            )
+        )
         _wait_for(adapter, op)
         assert adapter.call(lambda kv: kv.query([_key(1)]))[0][0].name == "HIT"
     finally:
@@ -164,7 +181,11 @@ def test_inventory_events_report_stores_and_evictions(buffers):
     try:
         for i in range(SLOTS + 2):
             op = adapter.next_op_id()
-            adapter.submit(Deposit(op_id=op, blocks={_key(i): [_ref("adapter-inv", i)]}, nbytes=BLOCK))
+            adapter.submit(
+                Deposit(
+                    op_id=op, blocks={_key(i): [_ref("adapter-inv", i)]}, nbytes=BLOCK
+                )
+            )
             deadline = time.monotonic() + 10
             done = None
             while done is None and time.monotonic() < deadline:

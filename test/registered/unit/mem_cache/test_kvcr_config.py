@@ -39,8 +39,14 @@ def test_minimal_config_parses_with_documented_defaults():
         ({**GOOD, "dram_gb": 4}, ["unknown fields", "dram_gb", "remove"]),
         ({"local_dram_bytes_per_worker": 0}, ["local_dram_bytes_per_worker", ">= 1"]),
         ({"local_dram_bytes_per_worker": -5}, ["local_dram_bytes_per_worker", ">= 1"]),
-        ({"local_dram_bytes_per_worker": "8G"}, ["local_dram_bytes_per_worker", "integer"]),
-        ({"local_dram_bytes_per_worker": True}, ["local_dram_bytes_per_worker", "integer"]),
+        (
+            {"local_dram_bytes_per_worker": "8G"},
+            ["local_dram_bytes_per_worker", "integer"],
+        ),
+        (
+            {"local_dram_bytes_per_worker": True},
+            ["local_dram_bytes_per_worker", "integer"],
+        ),
         ([1, 2], ["must be a JSON object", "list"]),
         ("not json", ["not valid JSON"]),
         ({**GOOD, "control_port": 70000}, ["control_port", "[0, 65535]"]),
@@ -49,25 +55,51 @@ def test_minimal_config_parses_with_documented_defaults():
             {**GOOD, "operation_timeout_ms": 1000, "abandon_timeout_ms": 1500},
             ["abandon_timeout_ms", ">= 2 x operation_timeout_ms", "2000"],
         ),
-        ({**GOOD, "control_bind_host": "0.0.0.0"}, ["control_advertise_host", "required"]),
+        (
+            {**GOOD, "control_bind_host": "0.0.0.0"},
+            ["control_advertise_host", "required"],
+        ),
         ({**GOOD, "control_advertise_host": "0.0.0.0"}, ["control_advertise_host"]),
         ({**GOOD, "eviction_policy": "mru"}, ["eviction_policy", "lru"]),
         ({**GOOD, "nixl_progress_thread": "yes"}, ["nixl_progress_thread"]),
         ({**GOOD, "owner_wait_timeout_s": -1}, ["owner_wait_timeout_s"]),
-        ({**GOOD, "peer_endpoint_allowlist": ["10.0.0.0/8:0-9"]}, ["peer_endpoint_allowlist", "ports"]),
-        ({**GOOD, "peer_endpoint_allowlist": "10.0.0.1"}, ["peer_endpoint_allowlist", "list"]),
+        (
+            {**GOOD, "peer_endpoint_allowlist": ["10.0.0.0/8:0-9"]},
+            ["peer_endpoint_allowlist", "ports"],
+        ),
+        (
+            {**GOOD, "peer_endpoint_allowlist": "10.0.0.1"},
+            ["peer_endpoint_allowlist", "list"],
+        ),
     ],
     ids=[
-        "missing-size", "legacy-key", "unknown-key", "zero-size", "negative-size",
-        "string-size", "bool-size", "not-object", "not-json", "port-range",
-        "zero-timeout", "abandon-too-small", "wildcard-bind", "wildcard-advertise",
-        "bad-policy", "bad-bool", "bad-owner-wait", "bad-port-range", "allowlist-not-list",
+        "missing-size",
+        "legacy-key",
+        "unknown-key",
+        "zero-size",
+        "negative-size",
+        "string-size",
+        "bool-size",
+        "not-object",
+        "not-json",
+        "port-range",
+        "zero-timeout",
+        "abandon-too-small",
+        "wildcard-bind",
+        "wildcard-advertise",
+        "bad-policy",
+        "bad-bool",
+        "bad-owner-wait",
+        "bad-port-range",
+        "allowlist-not-list",
     ],
 )
 def test_bad_config_fails_with_one_line_naming_field_and_fix(raw, needles):
     """Each bad value raises KVCRConfigError: one line, flag and field named."""
     with pytest.raises(KVCRConfigError) as info:
-        KVCRLinkerConfig.from_startup_config("kvcr", json.dumps(raw) if raw != "not json" else raw)
+        KVCRLinkerConfig.from_startup_config(
+            "kvcr", json.dumps(raw) if raw != "not json" else raw
+        )
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith("--unified-cache-external-linker-config")
@@ -85,13 +117,18 @@ def test_dynamic_backend_reads_linker_extra_config():
     cfg = KVCRLinkerConfig.from_startup_config("dynamic", raw)
     assert cfg.control_port == 5555
     with pytest.raises(KVCRConfigError, match="local_dram_bytes_per_worker"):
-        KVCRLinkerConfig.from_startup_config("dynamic", {**raw, "linker_extra_config": {}})
+        KVCRLinkerConfig.from_startup_config(
+            "dynamic", {**raw, "linker_extra_config": {}}
+        )
 
 
 def test_allowlist_entries_parse_hosts_cidrs_and_port_ranges():
     """Allowlist entries accept a host or CIDR with an optional port or range."""
     cfg = KVCRLinkerConfig.from_dict(
-        {**GOOD, "peer_endpoint_allowlist": ["10.0.0.0/8", "node-7:5000-5007", "[::1]:9"]}
+        {
+            **GOOD,
+            "peer_endpoint_allowlist": ["10.0.0.0/8", "node-7:5000-5007", "[::1]:9"],
+        }
     )
     assert cfg.peer_endpoint_allowlist == ("10.0.0.0/8", "node-7:5000-5007", "[::1]:9")
     assert cfgmod.parse_allowlist_entry("node-7:5000-5007")[1:] == (5000, 5007)
@@ -113,7 +150,11 @@ def test_config_module_imports_nothing_heavy():
         "print(','.join(m for m in ('kvcr','nixl') if m in sys.modules))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     assert out.stdout.strip() == ""
     tree = ast.parse(Path(cfgmod.__file__).read_text())

@@ -200,7 +200,7 @@ class KVCRLinkerConfig:
         if not isinstance(raw, Mapping):
             raise KVCRConfigError(
                 f"{FLAG}: must be a JSON object, got {type(raw).__name__}; "
-                f'pass e.g. \'{{"local_dram_bytes_per_worker": 8589934592}}\''
+                f"pass e.g. '{{\"local_dram_bytes_per_worker\": 8589934592}}'"
             )
         if "local_dram_bytes" in raw:
             raise _error(

@@ -191,9 +191,7 @@ class KVCRAdapter:
     ) -> None:
         self._limits = limits
         self._commands: queue.SimpleQueue[Command | object] = queue.SimpleQueue()
-        self._results: queue.SimpleQueue[OpDone | InventoryChange] = (
-            queue.SimpleQueue()
-        )
+        self._results: queue.SimpleQueue[OpDone | InventoryChange] = queue.SimpleQueue()
         self._op_ids = itertools.count(1)
         self._failure: BaseException | None = None
         self._stats = AdapterStats()
@@ -238,7 +236,7 @@ class KVCRAdapter:
                 kind = OpKind.DEPOSIT if isinstance(command, Deposit) else OpKind.FETCH
                 refused = EntryResult(EntryStatus.REFUSED)
                 self._results.put(
-                    OpDone(command.op_id, kind, {key: refused for key in keys})
+                    OpDone(command.op_id, kind, dict.fromkeys(keys, refused))
                 )
                 return
         self._commands.put(command)
@@ -260,7 +258,7 @@ class KVCRAdapter:
         self._commands.put(_Call(fn, future))
         timeout = self._limits.wait_timeout_s if timeout_s is None else timeout_s
         try:
-            return future.result(timeout=timeout)  # type: ignore[no-any-return]
+            return future.result(timeout=timeout)
         except FutureTimeout:
             self._raise_if_failed()
             raise KVCRTimeoutError(
@@ -288,9 +286,7 @@ class KVCRAdapter:
             self._thread.join(timeout)
         if self._thread.is_alive():
             raise KVCRTimeoutError(f"KVCR owner thread still alive after {timeout} s")
-        if self._failure is not None and not isinstance(
-            self._failure, _ClosedError
-        ):
+        if self._failure is not None and not isinstance(self._failure, _ClosedError):
             raise KVCRAdapterFailed("KVCR owner thread failed") from self._failure
 
     # ---- budget ------------------------------------------------------------------
@@ -299,17 +295,27 @@ class KVCRAdapter:
         with self._stats_lock:
             s = self._stats
             if budget is Budget.OFFLOAD:
-                if s.inflight_offload_bytes + nbytes > self._limits.max_inflight_offload_bytes:
+                if (
+                    s.inflight_offload_bytes + nbytes
+                    > self._limits.max_inflight_offload_bytes
+                ):
                     s.refused_offload += 1
                     return False
                 s.inflight_offload_bytes += nbytes
-                s.peak_offload_bytes = max(s.peak_offload_bytes, s.inflight_offload_bytes)
+                s.peak_offload_bytes = max(
+                    s.peak_offload_bytes, s.inflight_offload_bytes
+                )
             else:
-                if s.inflight_prepare_bytes + nbytes > self._limits.max_inflight_prepare_bytes:
+                if (
+                    s.inflight_prepare_bytes + nbytes
+                    > self._limits.max_inflight_prepare_bytes
+                ):
                     s.refused_prepare += 1
                     return False
                 s.inflight_prepare_bytes += nbytes
-                s.peak_prepare_bytes = max(s.peak_prepare_bytes, s.inflight_prepare_bytes)
+                s.peak_prepare_bytes = max(
+                    s.peak_prepare_bytes, s.inflight_prepare_bytes
+                )
             return True
 
     def _uncharge(self, budget: Budget, nbytes: int) -> None:
@@ -388,7 +394,9 @@ class KVCRAdapter:
                 try:
                     kv.submit_hint(dict(command.hint), command.request_id)
                 except ValueError as exc:
-                    logger.debug("KVCR refused hint for %s: %s", command.request_id, exc)
+                    logger.debug(
+                        "KVCR refused hint for %s: %s", command.request_id, exc
+                    )
             handle = kv.fetch(
                 list(command.keys),
                 request_id=command.request_id,
@@ -448,7 +456,10 @@ class KVCRAdapter:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(command, _Call) and command.future.set_running_or_notify_cancel():
+            if (
+                isinstance(command, _Call)
+                and command.future.set_running_or_notify_cancel()
+            ):
                 command.future.set_exception(KVCRAdapterFailed("KVCR adapter closed"))
         if kv is not None:
             try:

@@ -1,27 +1,134 @@
-"""KVCRDirectLinker: placeholder that validates its config and reports no hits.
+"""KVCRDirectLinker: SGLang 0.5.23's UnifiedCacheLinker contract backed by KVCR.
 
-Replaced by the real KVCR-backed linker; kept minimal so the plugin route can be
-exercised end to end on a CPU server.
+Ownership: every KVCR call runs on the adapter's owner thread; this class runs on
+the scheduler thread and only enqueues commands and drains typed results, except
+the restore copy, which a loader thread performs from claimed KVCR DRAM slots into
+the request's private device slots and then completes the layer counter. Offloads
+are accepted deterministically (results are paired by position across ranks) and
+fail through the FIFO result. A request's tail is *prepared*: pages resident here
+or named by a ``kv.fetch`` hint are fetched into local KVCR DRAM, and each page
+that lands holds a residency claim. ``lookup`` reports only pages whose claims are
+held, so a hint alone is never a hit and a failed transfer is a miss, never wrong
+KV. Claims are released when the restore lands or the request ends.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import enum
+import itertools
 import logging
+import os
+import queue
+import socket
+import threading
+import time
 from typing import Any
 
+import torch
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
-from sglang.srt.mem_cache.storage.kvcr.config import KVCRLinkerConfig
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
     LayerWiseLoadCounter,
     UnifiedCacheLinker,
 )
 
+from sglang.srt.mem_cache.storage.kvcr import kvcr_layout
+from sglang.srt.mem_cache.storage.kvcr.config import KVCRLinkerConfig
+from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import (
+    AdapterLimits,
+    Deposit,
+    DiscardHint,
+    EntryStatus,
+    Fetch,
+    InventoryChange,
+    KVCRAdapter,
+    OpDone,
+    OpKind,
+    Release,
+    make_kvcr_factory,
+)
+from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
+    LinkerRequestContext,
+    PreparationHooks,
+)
+from sglang.srt.mem_cache.storage.kvcr.router_hint import (
+    EndpointAllowlist,
+    RouterHintParser,
+    page_hash_to_u64,
+)
+
 logger = logging.getLogger(__name__)
 
+_STATS_LOG_PERIOD_S = 30.0
+_INCARNATIONS = itertools.count(1)
+_LAZY_PREPARE_WAIT_S = 0.25
 
-class KVCRDirectLinker(UnifiedCacheLinker):
-    """Placeholder linker: every lookup misses and every offload fails."""
+
+class PrepState(enum.Enum):
+    FETCHING = "fetching"
+    READY = "ready"
+    RELEASED = "released"
+
+
+@dataclasses.dataclass(slots=True)
+class Preparation:
+    """One request attempt's prepared tail: which pages are claimed in KVCR DRAM."""
+
+    ctx: LinkerRequestContext
+    page_hashes: list[str]
+    deadline: float
+    state: PrepState = PrepState.FETCHING
+    pending_ops: set[int] = dataclasses.field(default_factory=set)
+    # page index -> {pool name: (claim, slot element index per part)}
+    landed: dict[int, dict[str, tuple[int, tuple[int, ...]]]] = dataclasses.field(
+        default_factory=dict
+    )
+    hinted: bool = False
+
+    def claimed_prefix(self, start: int, pools: int) -> int:
+        n = 0
+        while len(self.landed.get(start + n, ())) == pools:
+            n += 1
+        return n
+
+    def claims(self) -> list[int]:
+        return [claim for page in self.landed.values() for claim, _ in page.values()]
+
+
+@dataclasses.dataclass(slots=True)
+class _LoadJob:
+    rid: str
+    dest_pages: list[int]
+    # per pool: slot element indices [page][part]
+    slots: dict[str, list[tuple[int, ...]]]
+    claims: list[int]
+    complete: bool  # every page claimed in every pool; else nothing is copied
+
+
+@dataclasses.dataclass(slots=True)
+class LinkerStats:
+    lookups: int = 0
+    lookup_fast_miss: int = 0
+    hit_pages: int = 0
+    loads: int = 0
+    load_pages: int = 0
+    load_failures: int = 0
+    offloads: int = 0
+    offload_pages: int = 0
+    offload_failures: int = 0
+    prepared: int = 0
+    prepared_pages: int = 0
+    prepare_deadline_expired: int = 0
+    late_claims_released: int = 0
+    evicted_pages: int = 0
+
+
+class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
+    """Direct external linker over a real KVCR (see the module docstring)."""
+
+    prepares_requests = True
+    publishes_external_events = True
 
     def __init__(
         self,
@@ -33,40 +140,559 @@ class KVCRDirectLinker(UnifiedCacheLinker):
         forward_stream: Any = None,
     ) -> None:
         self.config = KVCRLinkerConfig.from_dict(extra_config or {})
-        kvcache = params.token_to_kv_pool_allocator.get_kvcache()
+        cfg = self.config
         self.forward_stream = forward_stream
+        kvcache = params.token_to_kv_pool_allocator.get_kvcache()
+        self.page_size = int(params.page_size)
+        self._rank, self._local_ranks = _attn_rank(params)
+        identity = kvcache_layout_identity(server_args, self._rank, self._local_ranks)
+        self.layout = kvcr_layout.PageLayout.from_kv_pool(
+            kvcache, self.page_size, identity=identity
+        )
         self.pools = {PoolName.KV: kvcache}
-        self.layer_done_counter = LayerWiseLoadCounter(kvcache.layer_num)
-        self._offload_results: collections.deque[bool] = collections.deque()
-        logger.info("KVCRDirectLinker placeholder active: no external hits")
+        self.num_layers = self.layout.num_layers
+        self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
+        self._is_cuda = kvcache.device != "cpu" and str(kvcache.device) != "cpu"
+
+        plan = kvcr_layout.plan_capacity(
+            self.layout, cfg.local_dram_bytes_per_worker, self._local_ranks
+        )
+        logger.info(
+            "KVCR capacity: %d pages per pool, %d bytes unused of the per-rank share",
+            plan.pages,
+            plan.unused_bytes,
+        )
+        # KVCR-owned DRAM; pinned on GPU hosts so restores can be asynchronous.
+        self._storage = {
+            pool.name: torch.zeros(
+                pool.bytes, dtype=torch.uint8, pin_memory=self._is_cuda
+            )
+            for pool in plan.pools
+        }
+        # Restore destinations: each part's device buffer as one row per page.
+        self._dest_rows = {
+            pool.name: [
+                _page_rows(t, self.page_size, pool.page_bytes) for t in pool.tensors
+            ]
+            for pool in self.layout.pools
+        }
+        self._agent = ""
+        self._factory_args: dict[str, Any] = {
+            "agent_name": self._agent,
+            "pool_layouts": self.layout.kvcr_pool_layouts(),
+            "framework_regions": self.layout.region_descriptors(),
+            "local_dram_pools": self.layout.local_dram_regions(
+                list(self._storage.values())
+            ),
+            "key_adapter": kvcr_layout.KeyAdapter(self.layout),
+            "control_bind_host": cfg.control_bind_host,
+            "control_advertise_host": cfg.advertise_host,
+            "control_port": cfg.control_port + self._rank if cfg.control_port else 0,
+            "operation_timeout_ms": cfg.operation_timeout_ms,
+            "abandon_timeout_ms": cfg.abandon_timeout_ms,
+            "eviction_policy": cfg.eviction_policy,
+            "nixl_progress_thread": cfg.nixl_progress_thread,
+        }
+        self._limits = AdapterLimits(
+            max_inflight_offload_bytes=cfg.max_inflight_offload_bytes,
+            max_inflight_prepare_bytes=cfg.max_inflight_prepare_bytes,
+            wait_timeout_s=cfg.owner_wait_timeout_s,
+        )
+        self._hints = RouterHintParser(
+            EndpointAllowlist.from_config(cfg), rank_offset=self._rank
+        )
+        self.stats = LinkerStats()
+        self._preps: dict[str, Preparation] = {}
+        self._op_owner: dict[int, str] = {}  # fetch op id -> rid
+        self._offload_fifo: collections.deque[list[Any]] = collections.deque()
+        self._offload_pending: dict[int, list[Any]] = {}
+        self._resident: set[bytes] = set()
+        self._removed_hashes: list[str] = []
+        self._queued_loads: dict[str, _LoadJob] = {}
+        self._batches: dict[int, list[_LoadJob]] = {}
+        self._last_stats_log = time.monotonic()
+        self._adapter = self._start_adapter()
+        self._loader_jobs: queue.SimpleQueue[tuple[int, list[_LoadJob]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._loader = threading.Thread(
+            target=self._loader_main, name=f"kvcr-loader-r{self._rank}", daemon=True
+        )
+        self._loader.start()
+        logger.info(
+            "KVCR direct linker up: agent=%s endpoint=%s digest=%s pools=%s",
+            self._agent,
+            self.endpoint,
+            self.layout.compatibility_digest,
+            [p.name for p in self.layout.pools],
+        )
+
+    # ---- lifecycle ---------------------------------------------------------------
+
+    def _start_adapter(self) -> KVCRAdapter:
+        # A fresh NIXL agent name per KVCR incarnation: peers and this process may
+        # still remember the previous one after a flush.
+        self._agent = (
+            f"kvcr-{socket.gethostname()}-{os.getpid()}-r{self._rank}"
+            f"-{next(_INCARNATIONS)}"
+        )
+        self._factory_args["agent_name"] = self._agent
+        factory = make_kvcr_factory(**self._factory_args)
+        return KVCRAdapter(factory, self._limits, name=f"kvcr-r{self._rank}")
+
+    @property
+    def endpoint(self) -> str:
+        """This rank's KVCR peer control endpoint (what a router's hint names)."""
+        return self._adapter.endpoint
+
+    def reset(self) -> None:
+        """Flush: drop every claim and preparation and rebuild an empty KVCR."""
+        self._quiesce_loads()
+        self._release_all()
+        self._adapter.close()
+        self._resident.clear()
+        self._removed_hashes.clear()
+        self._offload_pending.clear()
+        for record in self._offload_fifo:  # keep positional pairing: fail the rest
+            if record[1] is None:
+                record[1] = False
+        for storage in self._storage.values():
+            storage.zero_()
+        self._adapter = self._start_adapter()
+        logger.info("KVCR linker reset: residency cleared, endpoint=%s", self.endpoint)
+
+    def close(self) -> None:
+        self._quiesce_loads()
+        self._loader_jobs.put(None)
+        self._loader.join(self.config.owner_wait_timeout_s)
+        self._release_all()
+        self._log_stats(force=True)
+        self._adapter.close()
+
+    def _quiesce_loads(self) -> None:
+        self._queued_loads.clear()
+        for index in list(self._batches):
+            self.finish_layer_wise_loading(index)
+
+    def _release_all(self) -> None:
+        claims: list[int] = []
+        for prep in self._preps.values():
+            claims.extend(prep.claims())
+            prep.landed.clear()
+            prep.state = PrepState.RELEASED
+        self._preps.clear()
+        if claims:
+            self._adapter.submit(Release(tuple(claims)))
+        self._adapter.wait_idle(self.config.owner_wait_timeout_s)
+        self._pump()
+
+    # ---- result routing --------------------------------------------------------
+
+    def _pump(self) -> None:
+        for item in self._adapter.drain():
+            if isinstance(item, InventoryChange):
+                self._on_inventory(item)
+            elif item.kind is OpKind.DEPOSIT:
+                self._on_offload_done(item)
+            else:
+                self._on_fetch_done(item)
+        self._log_stats()
+
+    def _on_inventory(self, change: InventoryChange) -> None:
+        if change.removed:
+            self._resident.difference_update(change.keys)
+            for key in change.keys:
+                parsed = self._parse_key(key)
+                if parsed is not None and parsed[1] == self.layout.pools[0].name:
+                    self._removed_hashes.append(parsed[0])
+                    self.stats.evicted_pages += 1
+        else:
+            self._resident.update(change.keys)
+
+    def _on_offload_done(self, done: OpDone) -> None:
+        record = self._offload_pending.pop(done.op_id, None)
+        if record is None:
+            return
+        ok = all(e.status is EntryStatus.SUCCESS for e in done.entries.values())
+        record[1] = ok
+        if not ok:
+            self.stats.offload_failures += 1
+
+    def _on_fetch_done(self, done: OpDone) -> None:
+        rid = self._op_owner.pop(done.op_id, None)
+        prep = self._preps.get(rid) if rid is not None else None
+        late: list[int] = []
+        if prep is None or prep.state is PrepState.RELEASED:
+            late = [e.claim for e in done.entries.values() if e.claim is not None]
+        else:
+            prep.pending_ops.discard(done.op_id)
+            for key, entry in done.entries.items():
+                parsed = self._parse_key(key)
+                if entry.status is not EntryStatus.SUCCESS or parsed is None:
+                    if entry.claim is not None:
+                        late.append(entry.claim)
+                    continue
+                page_hash, pool = parsed
+                index = self._page_index(prep, page_hash)
+                if index is None or entry.claim is None or not entry.slots:
+                    if entry.claim is not None:
+                        late.append(entry.claim)
+                    continue
+                slots = tuple(int(ref.element_index) for ref in entry.slots)
+                prep.landed.setdefault(index, {})[pool] = (entry.claim, slots)
+            if not prep.pending_ops:
+                prep.state = PrepState.READY
+        if late:
+            self.stats.late_claims_released += len(late)
+            self._adapter.submit(Release(tuple(late)))
+
+    def _parse_key(self, key: bytes) -> tuple[str, str] | None:
+        """(page hash, pool) of one of our keys; None for anything else."""
+        try:
+            page_hash, _, pool = self.layout.parse_key(key.decode())
+        except (ValueError, UnicodeDecodeError):
+            return None
+        return page_hash, pool
+
+    @staticmethod
+    def _page_index(prep: Preparation, page_hash: str) -> int | None:
+        try:
+            return prep.page_hashes.index(page_hash)
+        except ValueError:
+            return None
+
+    # ---- preparation -------------------------------------------------------------
+
+    def prepare_request(
+        self, ctx: LinkerRequestContext, transfers: list[PoolTransfer]
+    ) -> str:
+        """Fetch the tail's locally resident or hinted pages into claimed KVCR DRAM."""
+        self._pump()
+        old = self._preps.get(ctx.rid)
+        if old is not None:
+            self._drop_prep(old)
+        page_hashes = _kv_keys(transfers)
+        hint = self._hints.parse(ctx.kv_hints) if ctx.kv_hints is not None else None
+        hinted = set(hint.block_hashes) if hint is not None else set()
+        pools = self.layout.pools
+        wanted = 0
+        for page_hash in page_hashes:
+            keys = [self.layout.block_key(page_hash, p.name) for p in pools]
+            local = all(k in self._resident for k in keys)
+            if not local and page_hash_to_u64(page_hash) not in hinted:
+                break
+            wanted += 1
+        deadline = time.monotonic() + self.config.preparation_timeout_ms / 1000.0
+        prep = Preparation(ctx, page_hashes, deadline, hinted=hint is not None)
+        self._preps[ctx.rid] = prep
+        if wanted == 0:
+            prep.state = PrepState.READY  # zero-hit fast path: no owner round trip
+            return ctx.handle
+        self.stats.prepared += 1
+        self.stats.prepared_pages += wanted
+        envelope = hint.to_kvcr_envelope() if hint is not None else None
+        chunk = self.config.prepare_chunk_pages
+        for start in range(0, wanted, chunk):
+            pages = page_hashes[start : min(wanted, start + chunk)]
+            for pool in pools:
+                op_id = self._adapter.next_op_id()
+                chunk_keys = tuple(self.layout.block_key(h, pool.name) for h in pages)
+                prep.pending_ops.add(op_id)
+                self._op_owner[op_id] = ctx.rid
+                self._adapter.submit(
+                    Fetch(
+                        op_id=op_id,
+                        keys=chunk_keys,
+                        request_id=ctx.handle,
+                        expected_layout=tuple(pool.part_labels),
+                        nbytes=len(chunk_keys) * pool.page_bytes * len(pool.spans),
+                        hint=envelope,
+                    )
+                )
+                envelope = None  # submitted once per request id
+        self._pump()
+        return ctx.handle
+
+    def preparation_ready(self, handle: Any) -> bool:
+        self._pump()
+        rid = str(handle).rsplit("#", 1)[0]
+        prep = self._preps.get(rid)
+        if prep is None or prep.state is not PrepState.FETCHING:
+            return True
+        if time.monotonic() >= prep.deadline:
+            self.stats.prepare_deadline_expired += 1
+            prep.state = PrepState.READY  # late completions still land or release
+            return True
+        return False
+
+    def release_request(self, rid: str) -> None:
+        prep = self._preps.get(rid)
+        if prep is not None:
+            self._drop_prep(prep)
+        self._queued_loads.pop(rid, None)
+
+    def finish_request(self, rid: str) -> None:
+        self.release_request(rid)
+
+    def take_removed_page_hashes(self) -> list[str]:
+        removed, self._removed_hashes = self._removed_hashes, []
+        return removed
+
+    def _drop_prep(self, prep: Preparation) -> None:
+        self._preps.pop(prep.ctx.rid, None)
+        claims = prep.claims()
+        prep.landed.clear()
+        prep.state = PrepState.RELEASED
+        if claims:
+            self._adapter.submit(Release(tuple(claims)))
+        if prep.hinted:
+            self._adapter.submit(DiscardHint(prep.ctx.handle))
+
+    # ---- UnifiedCacheLinker contract ---------------------------------------------
 
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
-        return []
+        self.stats.lookups += 1
+        self._pump()
+        page_hashes = _kv_keys(transfers)
+        if not page_hashes:
+            return []
+        prep = self._preps.get(rid)
+        if prep is None:
+            first = self.layout.block_key(page_hashes[0], self.layout.pools[0].name)
+            if first not in self._resident:
+                self.stats.lookup_fast_miss += 1
+                return []
+            # No preparation hooks ran (plain SGLang scheduler): prepare now and
+            # wait briefly; local residents land in milliseconds.
+            self.prepare_request(LinkerRequestContext(rid), transfers)
+            prep = self._preps[rid]
+            deadline = time.monotonic() + _LAZY_PREPARE_WAIT_S
+            while prep.state is PrepState.FETCHING and time.monotonic() < deadline:
+                time.sleep(0.0005)
+                self._pump()
+        start = self._page_index(prep, page_hashes[0])
+        if start is None:  # the device prefix moved past what was prepared
+            self._drop_prep(prep)
+            return []
+        n = min(prep.claimed_prefix(start, len(self.layout.pools)), len(page_hashes))
+        self.stats.hit_pages += n
+        return list(range(1, n + 1))
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
-        return False
-
-    def start_layer_wise_loading(self) -> int:
-        return -1
-
-    def finish_layer_wise_loading(self, counter_index: int) -> bool:
+        kv = next((t for t in transfers if t.name == PoolName.KV), None)
+        if kv is None or not kv.keys:
+            return False
+        prep = self._preps.get(rid)
+        page_hashes = list(kv.keys)
+        dest_pages = [
+            int(kv.device_indices[i * self.page_size]) // self.page_size
+            for i in range(len(page_hashes))
+        ]
+        slots: dict[str, list[tuple[int, ...]]] = {
+            p.name: [] for p in self.layout.pools
+        }
+        claims: list[int] = []
+        complete = prep is not None
+        for page_hash in page_hashes:
+            index = None if prep is None else self._page_index(prep, page_hash)
+            landed = (
+                None if prep is None or index is None else prep.landed.pop(index, None)
+            )
+            if landed is None or len(landed) != len(self.layout.pools):
+                complete = False
+                if landed:
+                    claims.extend(c for c, _ in landed.values())
+                continue
+            for pool_name, (claim, parts) in landed.items():
+                slots[pool_name].append(parts)
+                claims.append(claim)
+        # Queued regardless (the answer depends on the transfers only, so every
+        # rank agrees); a missing claim fails the batch and the wrapper aborts it.
+        self._queued_loads[rid] = _LoadJob(rid, dest_pages, slots, claims, complete)
+        self.stats.loads += 1
+        self.stats.load_pages += len(page_hashes)
+        if not complete:
+            self.stats.load_failures += 1
         return True
 
-    def cancel_queued_load(self, rid: str) -> bool:
-        return False
+    def start_layer_wise_loading(self) -> int:
+        if not self._queued_loads:
+            return -1
+        jobs = list(self._queued_loads.values())
+        self._queued_loads.clear()
+        index = self.layer_done_counter.update_producer()
+        self._batches[index] = jobs
+        self._loader_jobs.put((index, jobs))
+        return index
 
-    def offload(self, transfers: list[PoolTransfer], session_id: str | None = None) -> bool:
-        self._offload_results.append(False)
+    def finish_layer_wise_loading(self, counter_index: int) -> bool:
+        jobs = self._batches.pop(counter_index, None)
+        if jobs is None:
+            return True
+        ok = bool(self.layer_done_counter.finish(counter_index))
+        claims = [c for job in jobs for c in job.claims]
+        if claims:
+            self._adapter.submit(Release(tuple(claims)))
+        return ok and all(job.complete for job in jobs)
+
+    def cancel_queued_load(self, rid: str) -> bool:
+        job = self._queued_loads.pop(rid, None)
+        if job is None:
+            return False
+        if job.claims:
+            self._adapter.submit(Release(tuple(job.claims)))
+        return True
+
+    def offload(
+        self, transfers: list[PoolTransfer], session_id: str | None = None
+    ) -> bool:
+        record: list[Any] = [None, None]  # [op id, result]
+        self._offload_fifo.append(record)
+        self.stats.offloads += 1
+        kv = next((t for t in transfers if t.name == PoolName.KV), None)
+        if kv is None or not kv.keys:
+            record[1] = False
+            return True
+        if self._is_cuda:
+            for event in self.record_offload_ready():
+                event.synchronize()
+        blocks: dict[bytes, list[Any]] = {}
+        nbytes = 0
+        for i, page_hash in enumerate(kv.keys):
+            page = int(kv.device_indices[i * self.page_size]) // self.page_size
+            for pool in self.layout.pools:
+                key = self.layout.block_key(page_hash, pool.name)
+                blocks[key] = pool.memory_refs(self._agent, page)
+                nbytes += pool.page_bytes * len(pool.part_labels)
+        self.stats.offload_pages += len(kv.keys)
+        op_id = self._adapter.next_op_id()
+        record[0] = op_id
+        self._offload_pending[op_id] = record
+        self._adapter.submit(Deposit(op_id=op_id, blocks=blocks, nbytes=nbytes))
         return True
 
     def num_completed_offloads(self) -> int:
-        return len(self._offload_results)
+        self._pump()
+        n = 0
+        for record in self._offload_fifo:
+            if record[1] is None:
+                break
+            n += 1
+        return n
 
     def pop_completed_offload(self) -> bool:
-        return self._offload_results.popleft()
+        record = self._offload_fifo.popleft()
+        return bool(record[1])
 
-    def reset(self) -> None:
-        self._offload_results.clear()
+    # ---- restore copy (loader thread; touches no KVCR API) ------------------------
 
-    def close(self) -> None:
-        self._offload_results.clear()
+    def _loader_main(self) -> None:
+        while True:
+            item = self._loader_jobs.get()
+            if item is None:
+                return
+            index, jobs = item
+            try:
+                self._copy_batch(index, jobs)
+            except BaseException as exc:
+                logger.exception("KVCR restore copy failed")
+                self.layer_done_counter.fail(index, exc)
+
+    def _copy_batch(self, index: int, jobs: list[_LoadJob]) -> None:
+        jobs = [job for job in jobs if job.complete]
+        stream = torch.cuda.Stream() if self._is_cuda else None
+        for layer in range(self.num_layers):
+            for pool in self.layout.pools:
+                parts = pool.layer_part_indices(layer)
+                dest_pages = [p for job in jobs for p in job.dest_pages]
+                if not dest_pages:
+                    continue
+                src_slots = [s for job in jobs for s in job.slots[pool.name]]
+                store = self._storage[pool.name].view(-1, pool.page_bytes)
+                for part in parts:
+                    src = torch.tensor([s[part] for s in src_slots], dtype=torch.long)
+                    dst = torch.tensor(dest_pages, dtype=torch.long)
+                    target = self._dest_rows[pool.name][part]
+                    if stream is not None:
+                        with torch.cuda.stream(stream):
+                            target.index_copy_(
+                                0,
+                                dst.to(target.device, non_blocking=True),
+                                store.index_select(0, src).to(
+                                    target.device, non_blocking=True
+                                ),
+                            )
+                    else:
+                        target.index_copy_(0, dst, store.index_select(0, src))
+            if stream is not None:
+                stream.synchronize()
+            self.layer_done_counter.complete(index, layer)
+
+    # ---- stats -----------------------------------------------------------------
+
+    def stats_line(self) -> str:
+        a = self._adapter.stats()
+        s = self.stats
+        return (
+            f"KVCR_STATS lookups={s.lookups} fast_miss={s.lookup_fast_miss} "
+            f"hit_pages={s.hit_pages} loads={s.loads} load_pages={s.load_pages} "
+            f"load_failures={s.load_failures} offloads={s.offloads} "
+            f"offload_pages={s.offload_pages} offload_failures={s.offload_failures} "
+            f"prepared={s.prepared} prepared_pages={s.prepared_pages} "
+            f"deadline_expired={s.prepare_deadline_expired} "
+            f"evicted_pages={s.evicted_pages} resident_keys={len(self._resident)} "
+            f"claims_held={sum(len(p.claims()) for p in self._preps.values())} "
+            f"refused_offload={a.refused_offload} refused_prepare={a.refused_prepare} "
+            f"inflight_offload_bytes={a.inflight_offload_bytes} "
+            f"inflight_prepare_bytes={a.inflight_prepare_bytes} "
+            f"hints={self._hints.stats.as_dict()}"
+        )
+
+    def _log_stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last_stats_log >= _STATS_LOG_PERIOD_S:
+            self._last_stats_log = now
+            logger.info("%s", self.stats_line())
+
+    def claims_held(self) -> int:
+        return sum(len(p.claims()) for p in self._preps.values())
+
+
+def _page_rows(tensor: torch.Tensor, page_size: int, page_bytes: int) -> torch.Tensor:
+    """A byte view of a token-slot buffer with one row per page."""
+    pages = tensor.shape[0] // page_size
+    flat = tensor[: pages * page_size].reshape(-1).view(torch.uint8)
+    return flat.view(pages, page_bytes)
+
+
+def _kv_keys(transfers: list[PoolTransfer]) -> list[str]:
+    for transfer in transfers:
+        if transfer.name == PoolName.KV:
+            return list(transfer.keys or [])
+    return []
+
+
+def _attn_rank(params: Any) -> tuple[int, int]:
+    group = getattr(params, "attn_tp_cache_group", None) or getattr(
+        params, "tp_cache_group", None
+    )
+    if group is None or not torch.distributed.is_initialized():
+        return 0, 1
+    return (
+        torch.distributed.get_rank(group),
+        torch.distributed.get_world_size(group),
+    )
+
+
+def kvcache_layout_identity(
+    server_args: Any, rank: int, size: int
+) -> kvcr_layout.ModelIdentity:
+    """The model identity a page's compatibility digest covers."""
+    draft = getattr(server_args, "speculative_draft_model_path", None) or ""
+    return kvcr_layout.ModelIdentity(
+        checkpoint=str(getattr(server_args, "model_path", "") or ""),
+        revision=str(getattr(server_args, "revision", None) or ""),
+        draft=str(draft),
+        tp_rank=rank,
+        tp_size=size,
+    )

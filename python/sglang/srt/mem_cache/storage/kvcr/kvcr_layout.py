@@ -1,0 +1,404 @@
+"""Describe SGLang KV pools as KVCR multi-part blocks, and key those blocks.
+
+A page of a dense NHD pool is one equal-sized byte range in every per-layer buffer
+(MHA: ``k_l`` then ``v_l`` per layer, so a layer's parts are adjacent; MLA: ``kv_l``).
+Each buffer is a :class:`Span`, registered as one KVCR framework region
+``pool:part`` whose element ``i`` is page ``i``; a KVCR block is one page of one
+KVCR pool, valued by one ``MemoryRef`` per span. KVCR has one block size per pool,
+so spans of differing size (MHA with ``v_head_dim != head_dim``) are split into
+KVCR pools ``kv``, ``kv_1``, ..., each keyed separately. Keys carry a digest of
+checkpoint, revision, draft, KV dtype, page size, span geometry and attention shard
+(never pointers, page counts, worker or data-parallel identity). kvcr is imported
+lazily, only where kvcr objects are built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
+
+import torch
+
+from sglang.srt.mem_cache.storage.kvcr.errors import KVCRConfigError, KVCRLinkerError
+
+if TYPE_CHECKING:
+    from kvcr.types import BlockKey, MemoryRef, RegionDescriptor
+
+logger = logging.getLogger(__name__)
+
+KEY_TAG = "kvcr-linker-v1"
+NO_MATCH_HASH = -1  # KeyAdapter.decode result for foreign keys; router hashes are >= 0
+_UINT64_MASK = (1 << 64) - 1
+_SUPPORTED = (
+    "the KVCR linker supports dense MHA/MLA pools (MHATokenToKVPool, "
+    "MLATokenToKVPool) with NHD slot rows and no scale buffers"
+)
+
+
+class KVCRLayoutError(KVCRLinkerError, ValueError):
+    """A KV pool, key or storage buffer cannot be described as KVCR blocks."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelIdentity:
+    """What makes KV bytes reusable across instances (the digest's model inputs)."""
+
+    checkpoint: str
+    revision: str
+    draft: str
+    tp_rank: int
+    tp_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One per-layer buffer: page ``i`` is ``page_bytes`` at ``base_ptr + i*stride``."""
+
+    label: str
+    base_ptr: int
+    page_stride_bytes: int
+    page_bytes: int
+    num_pages: int
+    layer: int
+
+    def page_addr(self, page_index: int) -> int:
+        return self.base_ptr + page_index * self.page_stride_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLayout:
+    """One KVCR pool: equal-sized spans of one SGLang pool, in fixed part order."""
+
+    name: str
+    source: str
+    spans: tuple[Span, ...]
+    mem_type: str = "DRAM"
+    device_id: int = 0
+    tensors: tuple[torch.Tensor, ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        labels = [s.label for s in self.spans]
+        if (
+            not self.name
+            or self.name != self.name.lower()
+            or ":" in self.name
+            or not self.spans
+            or len({s.page_bytes for s in self.spans}) != 1
+            or len(set(labels)) != len(labels)
+            or any(not label.startswith(f"{self.name}:") for label in labels)
+            or any(s.page_stride_bytes < s.page_bytes for s in self.spans)
+            or any(s.num_pages < 1 for s in self.spans)
+        ):
+            raise KVCRLayoutError(
+                f"KVCR pool {self.name!r} needs a lowercase name and non-empty, "
+                f"equal-sized, non-overlapping spans labelled '{self.name}:part'; "
+                f"got {self.spans}"
+            )
+
+    @property
+    def page_bytes(self) -> int:
+        return self.spans[0].page_bytes
+
+    @property
+    def num_pages(self) -> int:
+        return min(s.num_pages for s in self.spans)
+
+    @property
+    def part_labels(self) -> list[str]:
+        return [s.label for s in self.spans]
+
+    def layer_part_indices(self, layer: int) -> list[int]:
+        return [i for i, s in enumerate(self.spans) if s.layer == layer]
+
+    def memory_refs(self, agent_name: str, page_index: int) -> list[MemoryRef]:
+        from kvcr.types import MemoryRef
+
+        if not 0 <= page_index < self.num_pages:
+            raise KVCRLayoutError(f"page {page_index} is outside pool {self.name!r}")
+        return [
+            MemoryRef(
+                end_point_name=agent_name, label=s.label, element_index=page_index
+            )
+            for s in self.spans
+        ]
+
+    def region_descriptors(self) -> list[RegionDescriptor]:
+        from kvcr.types import RegionDescriptor
+
+        return [
+            RegionDescriptor(
+                mem_type=self.mem_type,
+                device_Id=self.device_id,
+                addr=s.base_ptr,
+                stride=s.page_stride_bytes
+                if s.page_stride_bytes != s.page_bytes
+                else 0,
+                count=s.num_pages,
+                size=s.page_bytes,
+                label=s.label,
+            )
+            for s in self.spans
+        ]
+
+
+class PoolCapacity(NamedTuple):
+    name: str
+    block_size: int
+    slot_count: int
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityPlan:
+    """KVCR DRAM per pool for one local rank; every pool holds ``pages`` pages."""
+
+    pages: int
+    pools: tuple[PoolCapacity, ...]
+    budget_bytes: int
+    unused_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PageLayout:
+    """Every KVCR pool of one worker's KV pools, and the key scheme over them."""
+
+    pools: tuple[PoolLayout, ...]
+    page_size: int
+    num_layers: int
+    compatibility_digest: str
+
+    @classmethod
+    def from_kv_pool(
+        cls,
+        kvcache: Any,
+        page_size: int,
+        *,
+        identity: ModelIdentity,
+        draft_pool: Any = None,
+    ) -> PageLayout:
+        """Describe ``kvcache`` (KVCR pool ``kv``) and a sidecar ``draft`` pool.
+
+        Raises :class:`KVCRLayoutError` for pools it cannot describe exactly.
+        """
+        if not 0 <= identity.tp_rank < identity.tp_size:
+            raise KVCRLayoutError(f"bad attention TP shard in {identity}")
+        if draft_pool is not None and not identity.draft:
+            raise KVCRLayoutError("a draft KV pool needs ModelIdentity.draft set")
+        sources = [("kv", kvcache)] + [("draft", draft_pool)] * (draft_pool is not None)
+        pools: list[PoolLayout] = []
+        geometry: list[dict[str, object]] = []
+        for source, pool in sources:
+            geometry.append(_check_pool(pool, page_size))
+            pools.extend(_pool_layouts(source, pool, page_size))
+        sharded = any(g["kind"] == "mha" for g in geometry)
+        payload = {
+            "tag": KEY_TAG,
+            "checkpoint": identity.checkpoint,
+            "revision": identity.revision,
+            "draft": identity.draft,
+            "page_size": page_size,
+            "shard": f"tp{identity.tp_rank}/{identity.tp_size}"
+            if sharded
+            else "replicated",
+            "geometry": geometry,
+            "pools": [
+                [p.name, p.page_bytes, [[s.label, s.layer] for s in p.spans]]
+                for p in pools
+            ],
+        }
+        blob = json.dumps(payload, sort_keys=True, default=str).encode()
+        num_layers = 1 + max(s.layer for p in pools for s in p.spans)
+        digest = hashlib.sha256(blob).hexdigest()[:16]
+        layout = cls(tuple(pools), page_size, num_layers, digest)
+        summary = [(p.name, len(p.spans), p.page_bytes) for p in pools]
+        logger.info(
+            "KVCR page layout %s: pools=%s layers=%d", digest, summary, num_layers
+        )
+        return layout
+
+    def pool(self, name: str) -> PoolLayout:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KVCRLayoutError(f"no KVCR pool {name!r} in {self.pool_names}")
+
+    @property
+    def pool_names(self) -> list[str]:
+        return [p.name for p in self.pools]
+
+    def make_key(self, page_hash: str, pool: str) -> str:
+        """KVCR key of one page of one KVCR pool, tagged with this digest."""
+        if not page_hash or "#" in page_hash or pool not in self.pool_names:
+            raise KVCRLayoutError(f"cannot key page {page_hash!r} of pool {pool!r}")
+        return f"{page_hash}#{KEY_TAG}#{self.compatibility_digest}#{pool}"
+
+    def parse_key(self, key: str) -> tuple[str, str, str]:
+        """``(page_hash, digest, pool)``; keys of other layouts raise."""
+        parts = key.split("#")
+        if len(parts) != 4 or parts[1] != KEY_TAG or not parts[0]:
+            raise KVCRLayoutError(f"{key!r} is not a {KEY_TAG} key")
+        page_hash, _, digest, pool = parts
+        if digest != self.compatibility_digest or pool not in self.pool_names:
+            raise KVCRLayoutError(
+                f"key {key!r} is foreign to layout {self.compatibility_digest}"
+            )
+        return page_hash, digest, pool
+
+    def block_key(self, page_hash: str, pool: str) -> BlockKey:
+        return cast("BlockKey", self.make_key(page_hash, pool).encode())
+
+    def region_descriptors(self) -> list[RegionDescriptor]:
+        return [d for p in self.pools for d in p.region_descriptors()]
+
+    def kvcr_pool_layouts(self) -> list[tuple[str, int]]:
+        return [(p.name, p.page_bytes) for p in self.pools]
+
+    def local_dram_regions(
+        self, storage_tensors: Sequence[torch.Tensor]
+    ) -> list[tuple[str, int, int]]:
+        """``LocalDramOptions.pools`` over one CPU tensor per KVCR pool, in order."""
+        if len(storage_tensors) != len(self.pools):
+            raise KVCRLayoutError(
+                f"need {len(self.pools)} storage tensors, got {len(storage_tensors)}"
+            )
+        regions = []
+        for p, t in zip(self.pools, storage_tensors, strict=True):
+            nbytes = t.numel() * t.element_size()
+            if t.device.type != "cpu" or not t.is_contiguous() or nbytes < p.page_bytes:
+                raise KVCRLayoutError(
+                    f"storage for {p.name!r} must be a contiguous CPU tensor of at "
+                    f"least one {p.page_bytes}-byte block"
+                )
+            regions.append((p.name, t.data_ptr(), nbytes - nbytes % p.page_bytes))
+        return regions
+
+
+class KeyAdapter:
+    """kvcr ``KeyAdapter``: layout keys <-> the router's unsigned page hash."""
+
+    def __init__(self, layout: PageLayout) -> None:
+        from sglang.srt.mem_cache.utils import hash_str_to_int64
+
+        self._layout = layout
+        self._hash: Callable[[str], int] = hash_str_to_int64
+
+    def encode(self, framework_key: object) -> BlockKey:
+        if isinstance(framework_key, str):
+            self._layout.parse_key(framework_key)
+            return cast("BlockKey", framework_key.encode())
+        raise KVCRLayoutError(f"cannot encode {framework_key!r} as a KVCR key")
+
+    def decode(self, key: BlockKey) -> int:
+        """Router ``block_hashes`` value of the key's page; -1 for foreign keys."""
+        try:
+            page_hash = self._layout.parse_key(bytes(key).decode())[0]
+            return self._hash(page_hash) & _UINT64_MASK
+        except (TypeError, ValueError):
+            return NO_MATCH_HASH
+
+
+def plan_capacity(
+    layout: PageLayout, local_dram_bytes_per_worker: int, local_ranks: int
+) -> CapacityPlan:
+    """Split one rank's DRAM share so every KVCR pool holds the same page count."""
+    if local_ranks < 1 or local_dram_bytes_per_worker < 0:
+        raise KVCRConfigError("capacity needs local_ranks >= 1 and a byte budget >= 0")
+    budget = local_dram_bytes_per_worker // local_ranks
+    per_page = sum(len(p.spans) * p.page_bytes for p in layout.pools)
+    pages = budget // per_page
+    if pages < 1:
+        raise KVCRConfigError(
+            f"local_dram_bytes_per_worker={local_dram_bytes_per_worker} leaves "
+            f"{budget} bytes per local rank ({local_ranks} ranks), less than one "
+            f"{per_page}-byte page; set it to at least {per_page * local_ranks}"
+        )
+    slots = [(p, pages * len(p.spans)) for p in layout.pools]
+    pools = tuple(
+        PoolCapacity(p.name, p.page_bytes, n, n * p.page_bytes) for p, n in slots
+    )
+    return CapacityPlan(pages, pools, budget, budget - pages * per_page)
+
+
+def _check_pool(pool: Any, page_size: int) -> dict[str, object]:
+    from sglang.srt.mem_cache.memory_pool import (
+        MHATokenToKVPool,
+        MLATokenToKVPool,
+        PageMajorMHATokenToKVPool,
+    )
+
+    name, attrs, reason = type(pool).__name__, getattr(pool, "__dict__", {}), ""
+    if isinstance(pool, PageMajorMHATokenToKVPool):
+        reason = "page-major pools have no per-layer contiguous regions"
+    elif any(v is not None for k, v in attrs.items() if k.endswith("scale_buffer")):
+        reason = "scaled KV caches (scale buffers) are not supported"
+    elif getattr(pool, "kv_cache_layout", "nhd") != "nhd":
+        reason = f"layout {pool.kv_cache_layout!r} is not NHD slot rows"
+    elif getattr(pool, "layer_shard_enabled", False):
+        reason = "layer-sharded pools do not own every layer"
+    elif type(pool) not in (MHATokenToKVPool, MLATokenToKVPool):
+        reason = "this pool class cannot be described"
+    elif pool.page_size != page_size:
+        reason = f"its page_size {pool.page_size} differs from {page_size}"
+    if reason:
+        raise KVCRLayoutError(f"{name}: {reason}; {_SUPPORTED}")
+    dims = ("head_num", "head_dim", "v_head_dim")
+    if type(pool) is MLATokenToKVPool:
+        dims = ("kv_lora_rank", "qk_rope_head_dim", "kv_cache_dim")
+    geometry = {d: getattr(pool, d) for d in ("dtype", "store_dtype", *dims)}
+    return {
+        **geometry,
+        "class": name,
+        "kind": "mla" if "kv_lora_rank" in dims else "mha",
+    }
+
+
+def _pool_layouts(source: str, pool: Any, page_size: int) -> list[PoolLayout]:
+    if hasattr(pool, "k_buffer"):
+        parts = [
+            (f"{kind}{layer}", layer, bufs[layer])
+            for layer in range(len(pool.k_buffer))
+            for kind, bufs in (("k", pool.k_buffer), ("v", pool.v_buffer))
+        ]
+    else:
+        parts = [(f"kv{layer}", layer, t) for layer, t in enumerate(pool.kv_buffer)]
+    groups: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
+    for part, layer, t in parts:
+        if not t.is_contiguous() or t.dim() < 1 or t.shape[0] < page_size:
+            raise KVCRLayoutError(
+                f"{type(pool).__name__}: buffer {part} is not contiguous slot rows; "
+                f"{_SUPPORTED}"
+            )
+        groups.setdefault(page_size * t[0].nbytes, []).append((part, layer, t))
+    devices = {t.device for _, _, t in parts}
+    device = next(iter(devices), torch.device("meta"))
+    if len(devices) != 1 or device.type not in ("cpu", "cuda"):
+        raise KVCRLayoutError(f"{type(pool).__name__}: unsupported devices {devices}")
+    layouts = []
+    for i, (page_bytes, members) in enumerate(groups.items()):
+        name = source if i == 0 else f"{source}_{i}"
+        spans = tuple(
+            Span(
+                label=f"{name}:{part}",
+                base_ptr=t.data_ptr(),
+                page_stride_bytes=page_size * t.stride(0) * t.element_size(),
+                page_bytes=page_bytes,
+                num_pages=t.shape[0] // page_size,
+                layer=layer,
+            )
+            for part, layer, t in members
+        )
+        layouts.append(
+            PoolLayout(
+                name=name,
+                source=source,
+                spans=spans,
+                mem_type="DRAM" if device.type == "cpu" else "VRAM",
+                device_id=device.index or 0,
+                tensors=tuple(t for _, _, t in members),
+            )
+        )
+    return layouts

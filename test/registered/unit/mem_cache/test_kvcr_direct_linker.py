@@ -1,0 +1,347 @@
+"""KVCRDirectLinker over real kvcr 0.1.1 + NIXL and a real CPU MHATokenToKVPool."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+from sglang.srt.mem_cache.storage.kvcr.errors import KVCRConfigError
+from sglang.srt.mem_cache.storage.kvcr.kvcr_direct_linker import KVCRDirectLinker
+from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
+
+pytestmark = pytest.mark.kvcr
+
+PAGE = 4
+LAYERS = 2
+HEADS = 2
+DIM = 8
+POOL_TOKENS = 64 * PAGE
+
+
+class _Allocator:
+    """Hands the linker the pool, as sglang's allocator does (get_kvcache)."""
+
+    def __init__(self, kvcache):
+        self._kvcache = kvcache
+
+    def get_kvcache(self):
+        return self._kvcache
+
+
+def make_pool():
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    return MHATokenToKVPool(
+        POOL_TOKENS,
+        PAGE,
+        torch.bfloat16,
+        HEADS,
+        DIM,
+        LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+
+
+def make_linker(pool, **overrides):
+    config = {
+        "local_dram_bytes_per_worker": 32 * LAYERS * 2 * PAGE * HEADS * DIM * 2,
+        "operation_timeout_ms": 500,
+        "abandon_timeout_ms": 1000,
+        "preparation_timeout_ms": 2000,
+        **overrides,
+    }
+    server_args = SimpleNamespace(model_path="tiny-test", revision=None)
+    params = SimpleNamespace(
+        token_to_kv_pool_allocator=_Allocator(pool),
+        page_size=PAGE,
+        attn_tp_cache_group=None,
+        tp_cache_group=None,
+    )
+    return KVCRDirectLinker(
+        server_args, params, components={0}, extra_config=config, forward_stream=None
+    )
+
+
+def page_hashes(n, salt="a"):
+    return [hashlib.sha256(f"{salt}{i}".encode()).hexdigest() for i in range(n)]
+
+
+def kv_transfer(hashes, pages=None):
+    indices = None
+    if pages is not None:
+        indices = torch.tensor(
+            [p * PAGE + t for p in pages for t in range(PAGE)], dtype=torch.int64
+        )
+    return [
+        PoolTransfer(
+            name=PoolName.KV,
+            keys=list(hashes),
+            device_indices=indices,
+            hit_policy=PoolHitPolicy.ALL_PAGES,
+        )
+    ]
+
+
+def fill_pages(pool, pages, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for layer in range(LAYERS):
+        for buf in (pool.k_buffer[layer], pool.v_buffer[layer]):
+            for p in pages:
+                buf[p * PAGE : (p + 1) * PAGE] = torch.randn(
+                    PAGE, HEADS, DIM, generator=gen
+                ).to(buf.dtype)
+
+
+def page_bytes(pool, page):
+    return torch.cat(
+        [
+            buf[page * PAGE : (page + 1) * PAGE].reshape(-1).view(torch.uint8)
+            for layer in range(LAYERS)
+            for buf in (pool.k_buffer[layer], pool.v_buffer[layer])
+        ]
+    )
+
+
+def wait_until(predicate, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.002)
+    raise AssertionError(f"{what} not reached within {timeout} s")
+
+
+def offload_and_commit(linker, hashes, pages):
+    assert linker.offload(kv_transfer(hashes, pages)) is True
+    wait_until(lambda: linker.num_completed_offloads() >= 1, what="offload completion")
+    return linker.pop_completed_offload()
+
+
+def restore(linker, rid, hashes, pages):
+    assert linker.load(rid, kv_transfer(hashes, pages)) is True
+    index = linker.start_layer_wise_loading()
+    assert index >= 0
+    return linker.finish_layer_wise_loading(index)
+
+
+@pytest.fixture
+def pool():
+    return make_pool()
+
+
+@pytest.fixture
+def linker(pool):
+    lk = make_linker(pool)
+    yield lk
+    lk.close()
+
+
+def test_offload_then_restore_into_other_slots_is_byte_exact(pool, linker):
+    """Pages round-trip device -> KVCR DRAM -> other device slots bit for bit."""
+    fill_pages(pool, [1, 2, 3], seed=1)
+    hashes = page_hashes(3)
+    originals = [page_bytes(pool, p).clone() for p in (1, 2, 3)]
+    untouched = page_bytes(pool, 20).clone()
+    assert offload_and_commit(linker, hashes, [1, 2, 3]) is True
+    fill_pages(pool, [1, 2, 3], seed=2)  # the device copy is gone
+
+    handle = linker.prepare_request(LinkerRequestContext("r1"), kv_transfer(hashes))
+    wait_until(lambda: linker.preparation_ready(handle), what="preparation")
+    assert linker.lookup("r1", kv_transfer(hashes)) == [1, 2, 3]
+    assert restore(linker, "r1", hashes, [10, 11, 12]) is True
+    for original, page in zip(originals, (10, 11, 12)):
+        assert torch.equal(page_bytes(pool, page), original)
+    assert torch.equal(page_bytes(pool, 20), untouched)
+    assert linker.claims_held() == 0
+
+
+def test_lookup_reports_only_claimed_prefix_and_follows_the_device_prefix(pool, linker):
+    """Absent pages end the hit; a lookup after the device prefix moved maps into it."""
+    fill_pages(pool, [1, 2], seed=3)
+    hashes = page_hashes(4)
+    assert offload_and_commit(linker, hashes[:2], [1, 2]) is True
+    handle = linker.prepare_request(LinkerRequestContext("r2"), kv_transfer(hashes))
+    wait_until(lambda: linker.preparation_ready(handle), what="preparation")
+    assert linker.lookup("r2", kv_transfer(hashes)) == [1, 2]
+    # The device now holds page 0: the tail starts at page 1.
+    assert linker.lookup("r2", kv_transfer(hashes[1:])) == [1]
+    # An unrelated tail retires the preparation and releases its claims.
+    assert linker.lookup("r2", kv_transfer(page_hashes(2, salt="z"))) == []
+    assert linker.claims_held() == 0
+
+
+def test_zero_hit_request_is_ready_without_an_owner_round_trip(pool, linker):
+    """No residents and no hint: ready at once, no KVCR fetch issued."""
+    before = linker._adapter.stats().fetches
+    handle = linker.prepare_request(
+        LinkerRequestContext("z"), kv_transfer(page_hashes(8, "q"))
+    )
+    assert linker.preparation_ready(handle) is True
+    assert linker.lookup("z", kv_transfer(page_hashes(8, "q"))) == []
+    assert linker._adapter.stats().fetches == before
+
+
+def test_abort_during_preparation_releases_every_claim(pool, linker):
+    """release_request drops the claims; KVCR reports none held afterwards."""
+    fill_pages(pool, [1, 2, 3], seed=4)
+    hashes = page_hashes(3, "ab")
+    assert offload_and_commit(linker, hashes, [1, 2, 3]) is True
+    handle = linker.prepare_request(LinkerRequestContext("ab"), kv_transfer(hashes))
+    wait_until(lambda: linker.preparation_ready(handle), what="preparation")
+    assert linker.claims_held() == 3
+    released_before = linker._adapter.stats().claims_released
+    linker.release_request("ab")
+    assert linker.claims_held() == 0
+    wait_until(
+        lambda: linker._adapter.stats().claims_released - released_before == 3,
+        what="claims released in KVCR",
+    )
+    # The pages are still resident: a later lookup prepares again and hits.
+    assert linker.lookup("ab", kv_transfer(hashes)) == [1, 2, 3]
+    assert linker.claims_held() == 3
+    linker.finish_request("ab")
+    assert linker.claims_held() == 0
+
+
+def test_hinted_peer_pages_are_fetched_and_hint_alone_never_hits():
+    """B fetches A's pages named by a kv.fetch hint; pages A lacks never hit."""
+    pool_a, pool_b = make_pool(), make_pool()
+    a = make_linker(pool_a)
+    b = make_linker(pool_b)
+    try:
+        fill_pages(pool_a, [1, 2], seed=5)
+        hashes = page_hashes(4, "peer")
+        assert offload_and_commit(a, hashes[:2], [1, 2]) is True
+        from sglang.srt.mem_cache.storage.kvcr.router_hint import page_hash_to_u64
+
+        hint = {
+            "protocol_version": "1.0",
+            "message_id": "m1",
+            "actions": [
+                {
+                    "action_id": "x",
+                    "action_type": "kv.fetch",
+                    "action_version": "1.0",
+                    "payload": {
+                        "source_control_endpoint": a.endpoint,
+                        "block_hashes": [page_hash_to_u64(h) for h in hashes],
+                    },
+                }
+            ],
+        }
+        # A keeps serving from its owner thread while only B is driven here.
+        handle = b.prepare_request(
+            LinkerRequestContext("p", 0, hint), kv_transfer(hashes)
+        )
+        wait_until(lambda: b.preparation_ready(handle), timeout=15, what="peer prepare")
+        assert b.lookup("p", kv_transfer(hashes)) == [1, 2]
+        assert restore(b, "p", hashes[:2], [30, 31]) is True
+        assert torch.equal(page_bytes(pool_b, 30), page_bytes(pool_a, 1))
+        assert torch.equal(page_bytes(pool_b, 31), page_bytes(pool_a, 2))
+        # A hint with no resident source pages never produces a hit.
+        missing = page_hashes(2, "nobody")
+        hint2 = {
+            **hint,
+            "actions": [
+                {
+                    **hint["actions"][0],
+                    "payload": {
+                        "source_control_endpoint": a.endpoint,
+                        "block_hashes": [page_hash_to_u64(h) for h in missing],
+                    },
+                }
+            ],
+        }
+        handle = b.prepare_request(
+            LinkerRequestContext("q", 0, hint2), kv_transfer(missing)
+        )
+        wait_until(
+            lambda: b.preparation_ready(handle), timeout=15, what="stale prepare"
+        )
+        assert b.lookup("q", kv_transfer(missing)) == []
+    finally:
+        b.close()
+        a.close()
+
+
+def test_offload_results_stay_positional_when_refused(pool):
+    """An offload over the byte budget is still accepted and fails in FIFO order."""
+    lk = make_linker(pool, max_inflight_offload_bytes=1)
+    try:
+        fill_pages(pool, [1], seed=6)
+        assert lk.offload(kv_transfer(page_hashes(1, "f"), [1])) is True
+        assert lk.offload(kv_transfer([], [])) is True
+        wait_until(lambda: lk.num_completed_offloads() == 2, what="two results")
+        assert [lk.pop_completed_offload(), lk.pop_completed_offload()] == [
+            False,
+            False,
+        ]
+    finally:
+        lk.close()
+
+
+def test_missing_claim_at_load_fails_the_batch_instead_of_loading_wrong_kv(
+    pool, linker
+):
+    """load() without held claims still queues (rank-deterministic) but finishes False."""
+    hashes = page_hashes(2, "nl")
+    before = page_bytes(pool, 40).clone()
+    assert restore(linker, "nl", hashes, [40, 41]) is False
+    assert torch.equal(page_bytes(pool, 40), before)
+
+
+def test_reset_clears_residency_and_rebuilds_kvcr(pool, linker):
+    """After reset (flush) earlier pages are a clean miss."""
+    fill_pages(pool, [1], seed=7)
+    hashes = page_hashes(1, "rs")
+    assert offload_and_commit(linker, hashes, [1]) is True
+    linker.reset()
+    handle = linker.prepare_request(LinkerRequestContext("rs"), kv_transfer(hashes))
+    assert linker.preparation_ready(handle) is True
+    assert linker.lookup("rs", kv_transfer(hashes)) == []
+
+
+def test_kvcr_eviction_reports_removed_page_hashes(pool):
+    """Capacity eviction surfaces through take_removed_page_hashes."""
+    lk = make_linker(
+        pool, local_dram_bytes_per_worker=4 * LAYERS * 2 * PAGE * HEADS * DIM * 2
+    )
+    try:
+        fill_pages(pool, list(range(1, 7)), seed=8)
+        hashes = page_hashes(6, "ev")
+        for h, p in zip(hashes, range(1, 7)):
+            assert offload_and_commit(lk, [h], [p]) is True
+        removed = lk.take_removed_page_hashes()
+        assert set(removed) == set(hashes[:2])
+        assert lk.take_removed_page_hashes() == []
+    finally:
+        lk.close()
+
+
+def test_restore_copy_and_kvcr_calls_stay_off_the_scheduler_thread(pool, linker):
+    """The loader thread copies; the owner thread talks to KVCR; never the caller."""
+    calls = []
+    kv = linker._adapter.call(lambda kv: kv)
+    original = kv.deposit
+
+    def spy(*a, **k):
+        calls.append(threading.current_thread().name)
+        return original(*a, **k)
+
+    kv.deposit = spy
+    fill_pages(pool, [1], seed=9)
+    assert offload_and_commit(linker, page_hashes(1, "th"), [1]) is True
+    assert calls == [linker._adapter.owner_thread.name]
+
+
+def test_bad_linker_config_is_refused_before_kvcr_starts(pool):
+    """A config error names the field; no KVCR is constructed."""
+    with pytest.raises(KVCRConfigError, match="local_dram_bytes_per_worker"):
+        make_linker(pool, local_dram_bytes_per_worker=0)
