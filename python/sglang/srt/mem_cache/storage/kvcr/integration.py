@@ -1,12 +1,369 @@
-"""The one module that touches SGLang private names (scheduler and tree hooks).
+"""The one module that touches SGLang 0.5.23 private names: scheduler and tree hooks.
 
-Filled by the integration work: it will register the preparation gate, the abort
-and finish forwarding, and the EXTERNAL event hooks on SGLang 0.5.23 internals.
-Keeping every private-name use here means an SGLang upgrade is reviewed in one file.
+Hooks (registered through ``HookRegistry`` by the plugin entry point):
+
+* ``Scheduler._add_request_to_queue`` (AFTER) and PD prefill's
+  ``optimistic_release_and_requeue`` (AFTER): a device-only match of the enqueued
+  request, then ``prepare_request`` with the uncached tail, its hints and attempt.
+* ``Scheduler._get_new_batch_prefill_raw`` (AROUND): readiness of every waiting
+  request, MIN-reduced across the attention group, hides the not-ready ones for
+  this pass and puts them back in their original order afterwards.
+* ``UnifiedCacheLinkerWrapper.release_request`` and ``UnifiedRadixCache.on_release``
+  (AFTER): aborts and releases reach the backend.
+* ``UnifiedCacheLinkerWrapper.commit_completed_offloads`` (AROUND) and
+  ``UnifiedRadixCache.check_hicache_events`` (AFTER): EXTERNAL ``BlockStored`` for
+  committed offloads, and KVCR evictions gathered across ranks so every rank clears
+  the same stored marks (and publishes ``BlockRemoved``).
+
+Linkers without the optional hooks (Mooncake, mori) see no behaviour change: every
+hook returns at once unless ``prepares_requests`` / ``publishes_external_events``.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from sglang.srt.mem_cache.storage.kvcr.errors import KVCRUnavailableError
+from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
+    LinkerRequestContext,
+    linker_hook,
+)
+
+logger = logging.getLogger(__name__)
+
+TREE_CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
+
+_SCHED = "sglang.srt.managers.scheduler.Scheduler"
+_WRAPPER = (
+    "sglang.srt.mem_cache.unified_cache.unified_cache_linker.UnifiedCacheLinkerWrapper"
+)
+_CACHE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
+_PD_PREFILL = (
+    "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
+    ".optimistic_release_and_requeue"
+)
+
+TARGETS: tuple[str, ...] = (
+    f"{_SCHED}._add_request_to_queue",
+    f"{_SCHED}._get_new_batch_prefill_raw",
+    f"{_WRAPPER}.release_request",
+    f"{_WRAPPER}.commit_completed_offloads",
+    f"{_CACHE}.on_release",
+    f"{_CACHE}.check_hicache_events",
+    f"{_CACHE}.init_cache_linker",
+)
+
 
 def register_hooks() -> None:
-    """Register the scheduler/tree hooks (none yet)."""
+    """Register every scheduler/tree hook with SGLang's HookRegistry."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    after, around = HookType.AFTER, HookType.AROUND
+    HookRegistry.register(TARGETS[0], _after_add_request_to_queue, after)
+    HookRegistry.register(TARGETS[1], _around_get_new_batch_prefill, around)
+    HookRegistry.register(TARGETS[2], _after_wrapper_release_request, after)
+    HookRegistry.register(TARGETS[3], _around_commit_completed_offloads, around)
+    HookRegistry.register(TARGETS[4], _after_on_release, after)
+    HookRegistry.register(TARGETS[5], _after_check_hicache_events, after)
+    HookRegistry.register(TARGETS[6], _after_init_cache_linker, after)
+    HookRegistry.register(_PD_PREFILL, _after_optimistic_requeue, after)
+
+
+def installed_hooks() -> dict[str, bool]:
+    """Which hook targets currently carry a registry wrapper."""
+    import importlib
+
+    status = {}
+    for target in TARGETS:
+        module_path, cls_name, attr = target.rsplit(".", 2)
+        cls = getattr(importlib.import_module(module_path), cls_name)
+        status[target] = hasattr(getattr(cls, attr), "__wrapped__")
+    return status
+
+
+def require_hooks_installed() -> None:
+    """Refuse to run a preparing linker whose scheduler hooks are missing."""
+    missing = [t for t, ok in installed_hooks().items() if not ok]
+    if missing:
+        raise KVCRUnavailableError(
+            f"KVCR linker hooks are not installed on {missing}; load the plugin "
+            "(sglang.srt.plugins.load_plugins(), entry point 'kvcr') before the "
+            "scheduler starts, and do not exclude it with SGLANG_PLUGINS"
+        )
+
+
+# ---- helpers ---------------------------------------------------------------
+
+
+def _backend(tree_cache: Any) -> Any:
+    wrapper = getattr(tree_cache, "linker", None)
+    return None if wrapper is None else wrapper.cache_linker
+
+
+def _preparing_backend(tree_cache: Any) -> Any:
+    backend = _backend(tree_cache)
+    if backend is None or not linker_hook(backend, "prepares_requests"):
+        return None
+    return backend
+
+
+def wrapper_prepare_request(wrapper: Any, req: Any) -> Any:
+    """Device-only match of ``req`` at enqueue, then hand the tail to the backend.
+
+    No ``lookup`` and no collective: ``match_prefix`` with ``req=None`` skips the
+    linker. Every attention rank enqueues the same requests in the same order.
+    """
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.common import _req_radix_key
+    from sglang.srt.mem_cache.unified_cache.components.base import (
+        LinkerTransferPhase,
+    )
+
+    cache = wrapper.cache
+    tokens = list(req.origin_input_ids) + list(req.output_ids)
+    if not tokens:
+        return None
+    key = _req_radix_key(cache, req, tokens, req._compute_max_prefix_len(len(tokens)))
+    result = cache.match_prefix(MatchPrefixParams(key=key, cow_mamba=False, req=None))
+    view, _ = key.maybe_to_bigram_view(cache.tree_core.is_eagle)
+    if result.device_prefix_len >= len(view):
+        tail: list[str] = []
+    else:
+        tail = wrapper._tail_hashes(view, result, result.device_prefix_len)
+    transfers = []
+    for component in wrapper._components:
+        transfer = component.build_external_linker_transfer(
+            LinkerTransferPhase.LOOKUP, None, tail
+        )
+        if transfer is None:
+            return None
+        transfers.append(transfer)
+    handle = getattr(req, "cache_request_handle", None)
+    ctx = LinkerRequestContext(
+        rid=req.rid,
+        attempt_id=int(getattr(handle, "attempt_id", 0) or 0),
+        kv_hints=getattr(req, "kv_hints", None),
+    )
+    return linker_hook(wrapper.cache_linker, "prepare_request")(ctx, transfers)
+
+
+def wrapper_sync_preparation(wrapper: Any, reqs: list[Any]) -> list[bool]:
+    """Readiness of ``reqs``, identical on every attention rank (MIN of 0/1)."""
+    ready_fn = linker_hook(wrapper.cache_linker, "preparation_ready")
+    flags = torch.tensor(
+        [int(bool(ready_fn(_handle(r)))) for r in reqs], dtype=torch.int
+    )
+    wrapper.cache._all_reduce_attn_groups(flags, torch.distributed.ReduceOp.MIN)
+    return [bool(v) for v in flags.tolist()]
+
+
+def _handle(req: Any) -> str:
+    handle = getattr(req, "cache_request_handle", None)
+    return LinkerRequestContext(
+        req.rid, int(getattr(handle, "attempt_id", 0) or 0)
+    ).handle
+
+
+def _prepare_safely(tree_cache: Any, req: Any) -> None:
+    try:
+        wrapper_prepare_request(tree_cache.linker, req)
+    except Exception:
+        # A failed preparation is a miss; the request recomputes.
+        logger.exception("KVCR preparation failed for %s; it will recompute", req.rid)
+
+
+# ---- scheduler hooks --------------------------------------------------------
+
+
+def _after_add_request_to_queue(
+    result: Any, scheduler: Any, req: Any, is_retracted: bool = False
+) -> None:
+    if _preparing_backend(scheduler.tree_cache) is None:
+        return
+    queue = scheduler.waiting_queue
+    bootstrap = getattr(scheduler, "disagg_prefill_bootstrap_queue", None)
+    enqueued = bool(queue) and queue[-1] is req
+    if not enqueued and bootstrap is not None:
+        pending: list[Any] = getattr(bootstrap, "queue", None) or []
+        enqueued = bool(pending) and pending[-1] is req
+    if enqueued:
+        _prepare_safely(scheduler.tree_cache, req)
+
+
+def _after_optimistic_requeue(
+    result: Any, scheduler: Any, *args: Any, **kw: Any
+) -> None:
+    tree_cache = getattr(scheduler, "tree_cache", None)
+    if tree_cache is None or _preparing_backend(tree_cache) is None:
+        return
+    if scheduler.waiting_queue:
+        _prepare_safely(tree_cache, scheduler.waiting_queue[0])
+
+
+def _around_get_new_batch_prefill(
+    original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any
+) -> Any:
+    tree_cache = scheduler.tree_cache
+    queue = scheduler.waiting_queue
+    if not queue or _preparing_backend(tree_cache) is None:
+        return original(scheduler, *args, **kwargs)
+    ready = wrapper_sync_preparation(tree_cache.linker, queue)
+    if all(ready):
+        return original(scheduler, *args, **kwargs)
+    held = [r for r, ok in zip(queue, ready, strict=True) if not ok]
+    scheduler.waiting_queue = [r for r, ok in zip(queue, ready, strict=True) if ok]
+    try:
+        return original(scheduler, *args, **kwargs)
+    finally:
+        scheduler.waiting_queue = merge_held(queue, held, scheduler.waiting_queue)
+
+
+def merge_held(original: list[Any], held: list[Any], after: list[Any]) -> list[Any]:
+    """Put held requests back in their original positions; new arrivals go last."""
+    held_ids = {id(r) for r in held}
+    after_ids = {id(r) for r in after}
+    original_ids = {id(r) for r in original}
+    merged = [r for r in original if id(r) in held_ids or id(r) in after_ids]
+    merged.extend(r for r in after if id(r) not in original_ids)
+    return merged
+
+
+# ---- release hooks ----------------------------------------------------------
+
+
+def _after_wrapper_release_request(result: Any, wrapper: Any, rid: str) -> None:
+    linker_hook(wrapper.cache_linker, "release_request")(rid)
+
+
+def _after_on_release(result: Any, cache: Any, req: Any, **kwargs: Any) -> None:
+    backend = _backend(cache)
+    if backend is not None:
+        linker_hook(backend, "finish_request")(req.rid)
+
+
+# ---- events and stored marks --------------------------------------------------
+
+
+def _after_init_cache_linker(result: Any, cache: Any, cache_linker: Any) -> None:
+    if not (
+        linker_hook(cache_linker, "prepares_requests")
+        or linker_hook(cache_linker, "publishes_external_events")
+    ):
+        return
+    require_hooks_installed()
+    if (
+        not hasattr(cache.tree_core, "node_by_id")
+        or type(cache.tree_core).__name__ != "UnifiedTreeCore"
+    ):
+        raise KVCRUnavailableError(
+            f"the KVCR linker needs SGLang's Python radix tree core (got "
+            f"{type(cache.tree_core).__name__}); set {TREE_CORE_ENV}=python"
+        )
+    cache._kvcr_hash_to_node = {}
+
+
+def _around_commit_completed_offloads(
+    original: Callable[..., Any], wrapper: Any, successes: Iterable[bool]
+) -> Any:
+    backend = wrapper.cache_linker
+    if not linker_hook(backend, "publishes_external_events"):
+        return original(wrapper, successes)
+    successes = list(successes)
+    published = [p.publish_node_ids for p in wrapper.pending_offloads[: len(successes)]]
+    result = original(wrapper, successes)
+    from sglang.srt.disaggregation.kv_events import StorageMedium
+
+    core = wrapper.cache.tree_core
+    index = getattr(wrapper.cache, "_kvcr_hash_to_node", None)
+    for ok, node_ids in zip(successes, published, strict=True):
+        if not ok:
+            continue
+        for node_id in node_ids:
+            node = _node(core, node_id)
+            if node is None:
+                continue
+            core.kv_events.record_store(node, medium=StorageMedium.EXTERNAL)
+            if index is not None:
+                for page_hash in node.hash_value or ():
+                    index[page_hash] = node_id
+    return result
+
+
+def _after_check_hicache_events(result: Any, cache: Any) -> None:
+    backend = _backend(cache)
+    if backend is None or not linker_hook(backend, "publishes_external_events"):
+        return
+    removed = linker_hook(backend, "take_removed_page_hashes")()
+    union = gather_union(cache, removed)
+    if union:
+        clear_stored_marks(cache, union)
+
+
+def gather_union(cache: Any, removed: list[str]) -> list[str]:
+    """The union of every attention rank's removed hashes (same list on all).
+
+    Uses the groups ``_all_reduce_attn_groups`` reduces over, so the ranks that
+    pair offload results by position agree on which stored marks to clear.
+    """
+    merged = set(removed)
+    if not torch.distributed.is_initialized():
+        return sorted(merged)
+    groups = [g for g in (cache.attn_cp_group, cache.attn_tp_group) if g is not None]
+    groups = [g for g in groups if torch.distributed.get_world_size(group=g) > 1]
+    if not groups and cache.tp_world_size > 1:
+        groups = [cache.tp_group]
+    for group in groups:
+        gathered: list[Any] = [None] * torch.distributed.get_world_size(group=group)
+        torch.distributed.all_gather_object(gathered, sorted(merged), group=group)
+        for part in gathered:
+            merged.update(part or ())
+    return sorted(merged)
+
+
+def _node(core: Any, node_id: Any) -> Any:
+    try:
+        return core.node_by_id(node_id)
+    except (KeyError, IndexError):
+        return None
+
+
+def clear_stored_marks(cache: Any, page_hashes: list[str]) -> int:
+    """Clear ``external_cache_stored`` for nodes holding evicted pages, and
+    publish EXTERNAL ``BlockRemoved`` for them; returns nodes cleared."""
+    from sglang.srt.disaggregation.kv_events import StorageMedium
+
+    index = getattr(cache, "_kvcr_hash_to_node", {})
+    core = cache.tree_core
+    cleared = 0
+    for page_hash in page_hashes:
+        node_id = index.pop(page_hash, None)
+        if node_id is None:
+            continue
+        node = _node(core, node_id)
+        if node is None or page_hash not in (node.hash_value or ()):
+            continue  # split or evicted since: the mark went with it
+        if node.external_cache_stored:
+            node.external_cache_stored = False
+            core.kv_events.record_remove(node, medium=StorageMedium.EXTERNAL)
+            cleared += 1
+        for other in node.hash_value or ():
+            index.pop(other, None)
+    return cleared
+
+
+def ensure_python_tree_core() -> None:
+    """Select SGLang's Python radix tree core for the KVCR linker (frontend)."""
+    chosen = os.environ.get(TREE_CORE_ENV)
+    if chosen is None:
+        os.environ[TREE_CORE_ENV] = "python"
+    elif chosen != "python":
+        raise KVCRUnavailableError(
+            f"the KVCR linker needs {TREE_CORE_ENV}=python (got {chosen!r}): it "
+            "publishes EXTERNAL KV events and clears stored marks on Python tree "
+            "nodes; unset the variable or set it to python"
+        )

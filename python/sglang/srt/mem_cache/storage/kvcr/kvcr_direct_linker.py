@@ -253,9 +253,9 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self._resident.clear()
         self._removed_hashes.clear()
         self._offload_pending.clear()
-        for record in self._offload_fifo:  # keep positional pairing: fail the rest
-            if record[1] is None:
-                record[1] = False
+        # The wrapper fails its own pending offloads on reset; results queued here
+        # would otherwise pair with the next offloads by position.
+        self._offload_fifo.clear()
         for storage in self._storage.values():
             storage.zero_()
         self._adapter = self._start_adapter()

@@ -80,6 +80,11 @@ def _after_handle_hicache(result: Any, server_args: Any) -> None:
     config = server_args.unified_cache_external_linker_config
     if uses_kvcr(backend, config):
         KVCRLinkerConfig.from_startup_config(backend, config)
+        from sglang.srt.mem_cache.storage.kvcr.integration import (
+            ensure_python_tree_core,
+        )
+
+        ensure_python_tree_core()
 
 
 def _around_create_linker(
