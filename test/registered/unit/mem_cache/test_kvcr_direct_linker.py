@@ -345,3 +345,35 @@ def test_bad_linker_config_is_refused_before_kvcr_starts(pool):
     """A config error names the field; no KVCR is constructed."""
     with pytest.raises(KVCRConfigError, match="local_dram_bytes_per_worker"):
         make_linker(pool, local_dram_bytes_per_worker=0)
+
+
+def test_abandoned_fetch_bytes_bound_refuses_new_preparations(pool):
+    """Fetches of dropped requests count as abandoned; over the bound, preparing stops."""
+    lk = make_linker(pool, max_abandoned_bytes=1)
+    gate = threading.Event()
+    try:
+        fill_pages(pool, [1, 2], seed=10)
+        hashes = page_hashes(2, "abd")
+        assert offload_and_commit(lk, hashes, [1, 2]) is True
+        # Hold the owner thread so the fetch stays unresolved while we drop it.
+        blocker = threading.Thread(
+            target=lambda: lk._adapter.call(lambda kv: gate.wait(10), timeout_s=15)
+        )
+        blocker.start()
+        lk.prepare_request(LinkerRequestContext("gone"), kv_transfer(hashes))
+        lk.release_request("gone")
+        assert lk.abandoned_bytes() > 1
+        handle = lk.prepare_request(LinkerRequestContext("next"), kv_transfer(hashes))
+        assert lk.preparation_ready(handle) is True
+        assert lk.stats.refused_abandoned == 1
+        gate.set()
+        blocker.join(15)
+        # Once KVCR answers, the late claims are released and the bound clears.
+        wait_until(lambda: (lk._pump(), lk.abandoned_bytes() == 0)[1], what="drain")
+        assert lk.claims_held() == 0
+        handle = lk.prepare_request(LinkerRequestContext("again"), kv_transfer(hashes))
+        wait_until(lambda: lk.preparation_ready(handle), what="prepare")
+        assert lk.lookup("again", kv_transfer(hashes)) == [1, 2]
+    finally:
+        gate.set()
+        lk.close()

@@ -119,7 +119,7 @@ class KVCRLinkerConfig:
         default=False,
         metadata=_doc(
             "Run NIXL's busy-polling progress thread. It costs one whole CPU core per "
-            "idle KVCR; off, the owner thread drives progress by polling."
+            "idle KVCR; off, KVCR's own progress loop drives NIXL without spinning."
         ),
     )
     eviction_policy: str = dataclasses.field(

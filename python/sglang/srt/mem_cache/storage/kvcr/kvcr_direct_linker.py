@@ -121,6 +121,7 @@ class LinkerStats:
     prepared_pages: int = 0
     prepare_deadline_expired: int = 0
     late_claims_released: int = 0
+    refused_abandoned: int = 0
     evicted_pages: int = 0
 
 
@@ -203,7 +204,8 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         )
         self.stats = LinkerStats()
         self._preps: dict[str, Preparation] = {}
-        self._op_owner: dict[int, str] = {}  # fetch op id -> rid
+        self._op_owner: dict[int, tuple[str, int]] = {}  # fetch op -> (rid, bytes)
+        self._abandoned: dict[int, int] = {}  # fetch op of a dropped prep -> bytes
         self._offload_fifo: collections.deque[list[Any]] = collections.deque()
         self._offload_pending: dict[int, list[Any]] = {}
         self._resident: set[bytes] = set()
@@ -319,10 +321,15 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             self.stats.offload_failures += 1
 
     def _on_fetch_done(self, done: OpDone) -> None:
-        rid = self._op_owner.pop(done.op_id, None)
-        prep = self._preps.get(rid) if rid is not None else None
+        owner = self._op_owner.pop(done.op_id, None)
+        self._abandoned.pop(done.op_id, None)
+        prep = self._preps.get(owner[0]) if owner is not None else None
         late: list[int] = []
-        if prep is None or prep.state is PrepState.RELEASED:
+        if (
+            prep is None
+            or prep.state is PrepState.RELEASED
+            or done.op_id not in prep.pending_ops  # from an earlier attempt
+        ):
             late = [e.claim for e in done.entries.values() if e.claim is not None]
         else:
             prep.pending_ops.discard(done.op_id)
@@ -385,6 +392,11 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         deadline = time.monotonic() + self.config.preparation_timeout_ms / 1000.0
         prep = Preparation(ctx, page_hashes, deadline, hinted=hint is not None)
         self._preps[ctx.rid] = prep
+        if wanted and self.abandoned_bytes() > self.config.max_abandoned_bytes:
+            # Work for requests that went away is still unresolved in KVCR: do not
+            # pile more on; this request recomputes.
+            self.stats.refused_abandoned += 1
+            wanted = 0
         if wanted == 0:
             prep.state = PrepState.READY  # zero-hit fast path: no owner round trip
             return ctx.handle
@@ -397,15 +409,16 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             for pool in pools:
                 op_id = self._adapter.next_op_id()
                 chunk_keys = tuple(self.layout.block_key(h, pool.name) for h in pages)
+                nbytes = len(chunk_keys) * pool.page_bytes * len(pool.spans)
                 prep.pending_ops.add(op_id)
-                self._op_owner[op_id] = ctx.rid
+                self._op_owner[op_id] = (ctx.rid, nbytes)
                 self._adapter.submit(
                     Fetch(
                         op_id=op_id,
                         keys=chunk_keys,
                         request_id=ctx.handle,
                         expected_layout=tuple(pool.part_labels),
-                        nbytes=len(chunk_keys) * pool.page_bytes * len(pool.spans),
+                        nbytes=nbytes,
                         hint=envelope,
                     )
                 )
@@ -438,8 +451,17 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         removed, self._removed_hashes = self._removed_hashes, []
         return removed
 
+    def abandoned_bytes(self) -> int:
+        """Bytes still being fetched for preparations that were dropped."""
+        return sum(self._abandoned.values())
+
     def _drop_prep(self, prep: Preparation) -> None:
-        self._preps.pop(prep.ctx.rid, None)
+        if self._preps.get(prep.ctx.rid) is prep:
+            del self._preps[prep.ctx.rid]
+        for op_id in prep.pending_ops:
+            owner = self._op_owner.get(op_id)
+            if owner is not None:
+                self._abandoned[op_id] = owner[1]
         claims = prep.claims()
         prep.landed.clear()
         prep.state = PrepState.RELEASED
@@ -640,7 +662,9 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             f"offload_pages={s.offload_pages} offload_failures={s.offload_failures} "
             f"prepared={s.prepared} prepared_pages={s.prepared_pages} "
             f"deadline_expired={s.prepare_deadline_expired} "
-            f"evicted_pages={s.evicted_pages} resident_keys={len(self._resident)} "
+            f"evicted_pages={s.evicted_pages} "
+            f"abandoned_bytes={self.abandoned_bytes()} "
+            f"refused_abandoned={s.refused_abandoned} resident_keys={len(self._resident)} "
             f"claims_held={sum(len(p.claims()) for p in self._preps.values())} "
             f"refused_offload={a.refused_offload} refused_prepare={a.refused_prepare} "
             f"inflight_offload_bytes={a.inflight_offload_bytes} "
