@@ -179,3 +179,22 @@ def test_package_module_file_is_this_repo_and_sglang_is_the_release():
     from importlib.metadata import version
 
     assert version("sglang") == "0.5.23"
+
+
+def test_docs_reference_every_config_field_with_its_default():
+    """docs/kvcr_direct_linker.md has a row per field, with the class's default."""
+    doc = (
+        Path(__file__).resolve().parents[4] / "docs" / "kvcr_direct_linker.md"
+    ).read_text()
+    rows = {
+        line.split("|")[1].strip().strip("`"): line.split("|")[2].strip()
+        for line in doc.splitlines()
+        if line.startswith("| `")
+    }
+    for field in dataclasses.fields(KVCRLinkerConfig):
+        assert field.name in rows, f"{field.name} is undocumented"
+        if field.default is dataclasses.MISSING:
+            assert rows[field.name] == "required"
+        else:
+            assert rows[field.name] == f"`{field.default!r}`", field.name
+    assert set(rows) == {f.name for f in dataclasses.fields(KVCRLinkerConfig)}
