@@ -25,6 +25,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 BUILD_NAME = "tiny-llama-v1"
 MARKER = ".tiny-model-complete"
@@ -66,7 +67,7 @@ _CORPUS = (
 
 
 def default_path() -> Path:
-    """``$SGLANG_KVCR_CACHE_DIR/tiny-llama-v1`` (cache dir defaults to <repo>/.cache)."""
+    """``$SGLANG_KVCR_CACHE_DIR/tiny-llama-v1`` (the cache dir defaults to .cache)."""
     cache = os.environ.get("SGLANG_KVCR_CACHE_DIR")
     base = Path(cache) if cache else Path(__file__).resolve().parents[2] / ".cache"
     return base / BUILD_NAME
@@ -75,7 +76,8 @@ def default_path() -> Path:
 def is_complete(path: Path) -> bool:
     path = Path(path)
     return (path / MARKER).is_file() and all(
-        (path / name).is_file() for name in (*WEIGHT_FILES, *TOKENIZER_FILES, "config.json")
+        (path / name).is_file()
+        for name in (*WEIGHT_FILES, *TOKENIZER_FILES, "config.json")
     )
 
 
@@ -91,13 +93,18 @@ def ensure_tiny_model(path: str | os.PathLike[str] | None = None) -> Path:
     if is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    if target.exists():  # left-over without a marker: move it aside, then delete it
-        stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))
+    if target.exists() and not is_complete(target):
+        # A left-over without a marker (never produced by this function, whose
+        # rename is atomic): move it aside, then delete it.
+        stale = Path(
+            tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent)
+        )
         os.replace(target, stale / "old")
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.build-", dir=target.parent))
     try:
         build(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         try:
             os.rename(tmp, target)
         except OSError:
@@ -126,10 +133,13 @@ def build(out: str | os.PathLike[str]) -> Path:
         json.dumps({"build": BUILD_NAME, "seed": SEED, "sha256": digest.hexdigest()})
         + "\n"
     )
+    for item in out.iterdir():
+        if item.is_file():
+            os.chmod(item, 0o644)
     return out
 
 
-def _build_tokenizer(out: Path):  # -> transformers.PreTrainedTokenizerFast
+def _build_tokenizer(out: Path) -> Any:  # a transformers PreTrainedTokenizerFast
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -154,7 +164,7 @@ def _build_tokenizer(out: Path):  # -> transformers.PreTrainedTokenizerFast
     return hf_tok
 
 
-def _write_config(out: Path, tokenizer) -> None:
+def _write_config(out: Path, tokenizer: Any) -> None:
     from transformers import GenerationConfig, LlamaConfig
 
     cfg = LlamaConfig(
@@ -186,14 +196,18 @@ def _write_weights(out: Path, *, vocab_size: int) -> None:
     head_dim = HIDDEN // HEADS
 
     def normal(rows: int, cols: int, std: float) -> torch.Tensor:
-        return (torch.randn(rows, cols, generator=gen, dtype=torch.float32) * std).to(dtype)
+        return (torch.randn(rows, cols, generator=gen, dtype=torch.float32) * std).to(
+            dtype
+        )
 
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, dtype=dtype)
 
     # Fan-in scaled weights keep activations O(1), so greedy logits have clear
     # gaps and decoding does not flip on rounding differences between kernels.
-    w: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(vocab_size, HIDDEN, 1.0)}
+    w: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": normal(vocab_size, HIDDEN, 1.0)
+    }
     s_in, s_mid = HIDDEN**-0.5, INTERMEDIATE**-0.5
     for i in range(LAYERS):
         p = f"model.layers.{i}."

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from typing import Any
 
 PACKAGE = "sgl_kernel"
-ENV_FLAG = "SGLANG_USE_CPU_ENGINE"
 
 
 def _no_native_ops(*args: Any, **kwargs: Any) -> None:
@@ -38,19 +37,25 @@ def _no_cuda_preload(*args: Any, **kwargs: Any) -> None:
 
 
 class _NeutralizingLoader(importlib.abc.Loader):
-    """Wraps the installed package's loader; patches ``load_utils`` before ``__init__``."""
+    """Wraps the real loader; patches ``load_utils`` before running ``__init__``."""
 
     def __init__(self, wrapped: importlib.abc.Loader) -> None:
         self._wrapped = wrapped
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+    def __getattr__(self, name: str) -> Any:
+        # get_source, get_resource_reader, is_package, ...: the real loader's.
+        return getattr(self._wrapped, name)
+
+    def create_module(
+        self, spec: importlib.machinery.ModuleSpec
+    ) -> types.ModuleType | None:
         return self._wrapped.create_module(spec)
 
     def exec_module(self, module: types.ModuleType) -> None:
         # The import system has already put ``module`` into sys.modules with its
         # ``__path__`` set from the spec, so importing the submodule resolves
         # against the installed package without running ``__init__.py``.
-        load_utils = importlib.import_module(f"{PACKAGE}.load_utils")
+        load_utils: Any = importlib.import_module(f"{PACKAGE}.load_utils")
         load_utils._load_architecture_specific_ops = _no_native_ops
         load_utils._preload_cuda_library = _no_cuda_preload
         module.__sgl_kernel_cpu_hook__ = True  # type: ignore[attr-defined]
@@ -98,7 +103,9 @@ def install() -> bool:
 
 def uninstall() -> None:
     """Remove the finder (modules already imported stay imported)."""
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, SglKernelCpuFinder)]
+    sys.meta_path[:] = [
+        f for f in sys.meta_path if not isinstance(f, SglKernelCpuFinder)
+    ]
 
 
 def is_installed() -> bool:

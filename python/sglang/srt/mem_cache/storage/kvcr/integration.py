@@ -56,6 +56,7 @@ TARGETS: tuple[str, ...] = (
     f"{_CACHE}.on_release",
     f"{_CACHE}.check_hicache_events",
     f"{_CACHE}.init_cache_linker",
+    f"{_CACHE}.reset",
 )
 
 
@@ -71,6 +72,7 @@ def register_hooks() -> None:
     HookRegistry.register(TARGETS[4], _after_on_release, after)
     HookRegistry.register(TARGETS[5], _after_check_hicache_events, after)
     HookRegistry.register(TARGETS[6], _after_init_cache_linker, after)
+    HookRegistry.register(TARGETS[7], _after_cache_reset, after)
     HookRegistry.register(_PD_PREFILL, _after_optimistic_requeue, after)
 
 
@@ -125,7 +127,8 @@ def wrapper_prepare_request(wrapper: Any, req: Any) -> Any:
     )
 
     cache = wrapper.cache
-    tokens = list(req.origin_input_ids) + list(req.output_ids)
+    # The scheduler's own token type (array('q')): the tree asserts key types match.
+    tokens = req.origin_input_ids + req.output_ids
     if not tokens:
         return None
     key = _req_radix_key(cache, req, tokens, req._compute_max_prefix_len(len(tokens)))
@@ -267,6 +270,13 @@ def _after_init_cache_linker(result: Any, cache: Any, cache_linker: Any) -> None
     cache._kvcr_hash_to_node = {}
 
 
+def _after_cache_reset(result: Any, cache: Any) -> None:
+    # A flush rebuilt KVCR empty: nothing indexed is stored externally any more.
+    index = getattr(cache, "_kvcr_hash_to_node", None)
+    if index is not None:
+        index.clear()
+
+
 def _around_commit_completed_offloads(
     original: Callable[..., Any], wrapper: Any, successes: Iterable[bool]
 ) -> Any:
@@ -289,8 +299,10 @@ def _around_commit_completed_offloads(
                 continue
             core.kv_events.record_store(node, medium=StorageMedium.EXTERNAL)
             if index is not None:
+                # The node itself, not its id: its pages stay in KVCR after the
+                # device drops the node, and their removal must still be published.
                 for page_hash in node.hash_value or ():
-                    index[page_hash] = node_id
+                    index[page_hash] = node
     return result
 
 
@@ -341,18 +353,21 @@ def clear_stored_marks(cache: Any, page_hashes: list[str]) -> int:
     core = cache.tree_core
     cleared = 0
     for page_hash in page_hashes:
-        node_id = index.pop(page_hash, None)
-        if node_id is None:
+        node = index.pop(page_hash, None)
+        # A split moves a node's leading pages (and its stored mark) into a new
+        # parent with a new id: the page now lives in an ancestor.
+        while node is not None and page_hash not in (node.hash_value or ()):
+            node = node.parent
+        if node is None:
             continue
-        node = _node(core, node_id)
-        if node is None or page_hash not in (node.hash_value or ()):
-            continue  # split or evicted since: the mark went with it
+        # A node the device already dropped still gets its EXTERNAL removal.
         if node.external_cache_stored:
             node.external_cache_stored = False
             core.kv_events.record_remove(node, medium=StorageMedium.EXTERNAL)
             cleared += 1
         for other in node.hash_value or ():
-            index.pop(other, None)
+            if index.get(other) is node:
+                del index[other]
     return cleared
 
 

@@ -347,6 +347,17 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
                     continue
                 slots = tuple(int(ref.element_index) for ref in entry.slots)
                 prep.landed.setdefault(index, {})[pool] = (entry.claim, slots)
+            if logger.isEnabledFor(logging.DEBUG):
+                statuses = collections.Counter(
+                    e.status.name for e in done.entries.values()
+                )
+                logger.debug(
+                    "KVCR fetch for %s: %s, %d pages landed, %d ops pending",
+                    prep.ctx.handle,
+                    dict(statuses),
+                    len(prep.landed),
+                    len(prep.pending_ops),
+                )
             if not prep.pending_ops:
                 prep.state = PrepState.READY
         if late:

@@ -1,0 +1,412 @@
+"""End-to-end validation of the KVCR direct linker on real SGLang servers.
+
+Launches a no-linker control server and two KVCR-linker servers (A and B), then:
+``local_round_trip`` (A serves a prompt, filler traffic evicts it from the device,
+the replay is restored from KVCR), ``flush_clears_residency`` (after
+``/flush_cache`` the replay is a clean miss), ``peer_reuse`` (B gets a
+``kv.fetch@1.0`` hint naming A's endpoint and the prompt's page hashes), and the
+``no_hint_control``, ``stale_hint_control`` and ``dead_peer_control`` checks. Every
+replay is compared with the control server by greedy output ids and by served
+cached tokens (device and external). Writes a JSON report; its path is printed on
+the last line as ``REPORT <path>``. Exits non-zero when any check fails.
+
+CPU (default): the project's tiny offline model. GPU: ``--device cuda --model-path
+Qwen/Qwen3-0.6B --page-size 64 --prompt-len 3000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "test"))
+
+from cpu_harness import server as harness  # noqa: E402
+from cpu_harness.tiny_model import ensure_tiny_model  # noqa: E402
+
+CHECKS = (
+    "local_round_trip",
+    "flush_clears_residency",
+    "peer_reuse",
+    "no_hint_control",
+    "stale_hint_control",
+    "dead_peer_control",
+)
+STATS_RE = re.compile(r"KVCR_STATS .*")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", default="", help="default: the tiny CPU model")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=8)
+    p.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=0,
+        help="device KV pool size (default: 4x prompt len)",
+    )
+    p.add_argument(
+        "--filler-requests",
+        type=int,
+        default=0,
+        help="default: enough to cycle the device pool twice",
+    )
+    p.add_argument(
+        "--port-base",
+        type=int,
+        default=0,
+        help="HTTP ports base..base+2 and control ports base+10.. "
+        "(default: free ports)",
+    )
+    p.add_argument(
+        "--dram-bytes",
+        type=int,
+        default=256 << 20,
+        help="local_dram_bytes_per_worker for the linker servers",
+    )
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--report", default="", help="report path (default under .cache)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--operation-timeout-ms", type=int, default=10000)
+    p.add_argument(
+        "--server-args",
+        default="",
+        help="extra launch_server flags, e.g. '--attention-backend fa3' on GPU",
+    )
+    args = p.parse_args(argv)
+    if args.page_size < 1 or args.prompt_len < 2 * args.page_size:
+        p.error("--prompt-len must cover at least two pages of --page-size")
+    if args.output_len < 1:
+        p.error("--output-len must be >= 1")
+    return args
+
+
+def page_aligned(prompt_len: int, page: int) -> int:
+    """Tokens of a prompt a prefix cache can serve (SGLang keeps one to compute)."""
+    return (prompt_len - 1) // page * page
+
+
+def page_hashes(token_ids: list[int], page: int) -> list[int]:
+    """The router's unsigned 64-bit hashes of a prompt's full pages."""
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.storage.kvcr.router_hint import page_hash_to_u64
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    usable = page_aligned(len(token_ids), page)
+    hashes = get_storage_hash_str(RadixKey(token_ids[:usable]), None, page_size=page)
+    return [page_hash_to_u64(h) for h in hashes]
+
+
+def fetch_hint(endpoint: str, hashes: list[int]) -> dict[str, Any]:
+    return {
+        "protocol_version": "1.0",
+        "message_id": f"validate-{time.monotonic_ns()}",
+        "actions": [
+            {
+                "action_id": "fetch-0",
+                "action_type": "kv.fetch",
+                "action_version": "1.0",
+                "payload": {
+                    "source_control_endpoint": endpoint,
+                    "block_hashes": hashes,
+                },
+            }
+        ],
+    }
+
+
+class Driver:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.model = args.model_path or str(ensure_tiny_model())
+        self.vocab = 300 if not args.model_path else 30000
+        self.max_total = args.max_total_tokens or 4 * args.prompt_len
+        self.work = (
+            Path(args.report).parent
+            if args.report
+            else harness.cache_dir() / "validate"
+        )
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.checks: list[dict[str, Any]] = []
+        self.servers: dict[str, harness.ServerHandle] = {}
+
+    def prompt(self) -> list[int]:
+        return [self.rng.randrange(3, self.vocab) for _ in range(self.args.prompt_len)]
+
+    def port(self, offset: int) -> int | None:
+        return self.args.port_base + offset if self.args.port_base else None
+
+    def control_port(self, offset: int) -> int:
+        if self.args.port_base:
+            return self.args.port_base + 10 + offset * 8
+        return harness.free_port()
+
+    def launch(
+        self, name: str, linker: dict[str, Any] | None, offset: int
+    ) -> harness.ServerHandle:
+        extra = [
+            "--page-size",
+            str(self.args.page_size),
+            "--max-total-tokens",
+            str(self.max_total),
+            "--max-running-requests",
+            "4",
+            "--chunked-prefill-size",
+            str(max(self.args.prompt_len, 512)),
+        ]
+        env = None
+        if self.args.device == "cuda":
+            extra = ["--device", "cuda", *extra]
+            env = {"SGLANG_USE_CPU_ENGINE": "false"}
+        extra += self.args.server_args.split()
+        if linker is not None:
+            extra += harness.kvcr_linker_args(linker)
+        handle = harness.launch_server(
+            extra,
+            model_path=self.model,
+            port=self.port(offset),
+            log_path=self.work / f"{name}.log",
+            startup_timeout=self.args.startup_timeout,
+            env=env,
+        )
+        self.servers[name] = handle
+        return handle
+
+    def linker_config(self, control_port: int) -> dict[str, Any]:
+        return {
+            "local_dram_bytes_per_worker": self.args.dram_bytes,
+            "control_port": control_port,
+            # KVCR disables serving peers after a progress stall longer than the
+            # operation timeout; CPU prefill on two cores stalls it for seconds.
+            "operation_timeout_ms": self.args.operation_timeout_ms,
+            "abandon_timeout_ms": 2 * self.args.operation_timeout_ms,
+            "preparation_timeout_ms": 5000,
+        }
+
+    def run(
+        self, server: harness.ServerHandle, ids: list[int], **extra: Any
+    ) -> dict[str, Any]:
+        started = time.monotonic()
+        out = server.generate(
+            input_ids=ids, max_new_tokens=self.args.output_len, **extra
+        )
+        meta = out.get("meta_info", {})
+        details = meta.get("cached_tokens_details") or {}
+        return {
+            "output_ids": list(out.get("output_ids") or []),
+            "cached_tokens": int(meta.get("cached_tokens", 0) or 0),
+            "device_cached_tokens": int(details.get("device", 0) or 0),
+            "external_cached_tokens": int(details.get("host", 0) or 0),
+            "wall_s": round(time.monotonic() - started, 4),
+        }
+
+    def fill(self, server: harness.ServerHandle) -> None:
+        count = (
+            self.args.filler_requests
+            or (2 * self.max_total) // self.args.prompt_len + 2
+        )
+        for _ in range(count):
+            self.run(server, self.prompt())
+
+    def record(
+        self,
+        name: str,
+        result: dict[str, Any],
+        control: dict[str, Any],
+        expected: int,
+        passed_if: bool,
+        **more: Any,
+    ) -> None:
+        matches = result["output_ids"] == control["output_ids"] and bool(
+            control["output_ids"]
+        )
+        check = {
+            "name": name,
+            "passed": bool(passed_if and matches),
+            "external_cached_tokens": result["external_cached_tokens"],
+            "device_cached_tokens": result["device_cached_tokens"],
+            "expected_tokens": expected,
+            "output_matches_control": matches,
+            "output_ids": result["output_ids"],
+            "control_output_ids": control["output_ids"],
+            "wall_s": result["wall_s"],
+            **more,
+        }
+        self.checks.append(check)
+        print(
+            f"[validate] {name}: {'PASS' if check['passed'] else 'FAIL'} "
+            f"external={check['external_cached_tokens']} device={check['device_cached_tokens']} "
+            f"expected={expected} output_matches={matches}",
+            flush=True,
+        )
+
+    def main(self) -> int:
+        a = self.args
+        aligned = page_aligned(a.prompt_len, a.page_size)
+        need = int(0.9 * aligned)
+        prompts = {name: self.prompt() for name in CHECKS}
+        started = time.monotonic()
+        try:
+            control = self.launch("control", None, 0)
+            controls = {name: self.run(control, ids) for name, ids in prompts.items()}
+            control.stop()
+            ctl_a, ctl_b = self.control_port(1), self.control_port(2)
+            srv_a = self.launch("linker_a", self.linker_config(ctl_a), 1)
+            srv_b = self.launch("linker_b", self.linker_config(ctl_b), 2)
+            endpoint_a = f"tcp://127.0.0.1:{ctl_a}"
+
+            # local_round_trip: compute, evict from the device, replay from KVCR.
+            self.run(srv_a, prompts["local_round_trip"])
+            self.fill(srv_a)
+            r = self.run(srv_a, prompts["local_round_trip"])
+            self.record(
+                "local_round_trip",
+                r,
+                controls["local_round_trip"],
+                aligned,
+                r["external_cached_tokens"] >= need,
+            )
+
+            # flush_clears_residency: a flush rebuilds KVCR; the replay misses cleanly.
+            self.run(srv_a, prompts["flush_clears_residency"])
+            time.sleep(0.5)  # let the write-through offload commit
+            flushed = srv_a.flush_cache().status_code == 200
+            r = self.run(srv_a, prompts["flush_clears_residency"])
+            self.record(
+                "flush_clears_residency",
+                r,
+                controls["flush_clears_residency"],
+                0,
+                flushed
+                and r["external_cached_tokens"] == 0
+                and r["device_cached_tokens"] == 0,
+                flush_ok=flushed,
+            )
+
+            # peer_reuse: A computes; B is told by a hint that A holds the pages.
+            self.run(srv_a, prompts["peer_reuse"])
+            time.sleep(1.0)  # A's offload to its KVCR DRAM completes asynchronously
+            hashes = page_hashes(prompts["peer_reuse"], a.page_size)
+            r = self.run(
+                srv_b, prompts["peer_reuse"], kv_hints=fetch_hint(endpoint_a, hashes)
+            )
+            self.record(
+                "peer_reuse",
+                r,
+                controls["peer_reuse"],
+                aligned,
+                r["external_cached_tokens"] >= need,
+            )
+
+            # no_hint_control: A holds the pages, B is not told: a clean miss.
+            self.run(srv_a, prompts["no_hint_control"])
+            time.sleep(1.0)
+            r = self.run(srv_b, prompts["no_hint_control"])
+            self.record(
+                "no_hint_control",
+                r,
+                controls["no_hint_control"],
+                0,
+                r["external_cached_tokens"] == 0,
+            )
+
+            # stale_hint_control: the hint names pages A never computed.
+            stale = page_hashes(prompts["stale_hint_control"], a.page_size)
+            r = self.run(
+                srv_b,
+                prompts["stale_hint_control"],
+                kv_hints=fetch_hint(endpoint_a, stale),
+            )
+            self.record(
+                "stale_hint_control",
+                r,
+                controls["stale_hint_control"],
+                0,
+                r["external_cached_tokens"] == 0,
+            )
+
+            # dead_peer_control: the hint names an endpoint nobody listens on.
+            dead = f"tcp://127.0.0.1:{harness.free_port()}"
+            hashes = page_hashes(prompts["dead_peer_control"], a.page_size)
+            r = self.run(
+                srv_b, prompts["dead_peer_control"], kv_hints=fetch_hint(dead, hashes)
+            )
+            self.record(
+                "dead_peer_control",
+                r,
+                controls["dead_peer_control"],
+                0,
+                r["external_cached_tokens"] == 0,
+            )
+        finally:
+            for handle in self.servers.values():
+                handle.stop()
+        return self.report(time.monotonic() - started)
+
+    def report(self, wall_s: float) -> int:
+        stats = {
+            name: STATS_RE.findall(h.log_text())[-3:]
+            for name, h in self.servers.items()
+        }
+        done = {c["name"] for c in self.checks}
+        for name in CHECKS:
+            if name not in done:
+                self.checks.append(
+                    {
+                        "name": name,
+                        "passed": False,
+                        "external_cached_tokens": 0,
+                        "expected_tokens": 0,
+                        "output_matches_control": False,
+                        "error": "not run",
+                    }
+                )
+        path = (
+            Path(self.args.report)
+            if self.args.report
+            else self.work / "kvcr_validate_report.json"
+        )
+        body = {
+            "checks": self.checks,
+            "config": {k: v for k, v in vars(self.args).items()},
+            "model_path": self.model,
+            "wall_s": round(wall_s, 2),
+            "linker_stats": stats,
+            "logs": {name: str(h.log_path) for name, h in self.servers.items()},
+            "env": {k: os.environ.get(k, "") for k in ("UCX_NET_DEVICES", "UCX_TLS")},
+        }
+        path.write_text(json.dumps(body, indent=2))
+        print()
+        print(
+            f"{'check':<24} {'result':<6} {'external':>9} {'expected':>9} {'output=control':>15}"
+        )
+        for c in self.checks:
+            print(
+                f"{c['name']:<24} {'PASS' if c['passed'] else 'FAIL':<6} "
+                f"{c['external_cached_tokens']:>9} {c['expected_tokens']:>9} "
+                f"{str(c['output_matches_control']):>15}"
+            )
+        ok = all(c["passed"] for c in self.checks)
+        print(f"overall: {'PASS' if ok else 'FAIL'} in {wall_s:.1f} s")
+        print(f"REPORT {path}")
+        return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return Driver(parse_args(argv)).main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Quick checks of the CPU harness: tiny model, sgl_kernel hook, torchvision stub."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from cpu_harness import tiny_model
+from cpu_harness.server import PYTHONPATH_DIR, free_port, python_executable
+
+REPO = Path(__file__).resolve().parents[4]
+SUBPROCESS_TIMEOUT_S = 120
+
+
+def _child_env(**overrides: str | None) -> dict[str, str]:
+    env = dict(os.environ)
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(PYTHONPATH_DIR) not in parts:
+        parts.insert(0, str(PYTHONPATH_DIR))
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    env.pop("SGLANG_USE_CPU_ENGINE", None)
+    for key, value in overrides.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def _run_python(code: str, **env: str | None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [python_executable(), "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+        env=_child_env(**env),
+        cwd="/",  # not the repo: nothing importable by accident from the cwd
+        check=False,
+    )
+
+
+def test_tiny_model_build_is_deterministic(tmp_path: Path) -> None:
+    a, b = tmp_path / "a" / "tiny", tmp_path / "b" / "tiny"
+    # One build in a child with another hash seed (the BPE trainer uses hash
+    # maps), one here; both run at the same time to keep the test short.
+    child = subprocess.Popen(
+        [python_executable(), str(Path(tiny_model.__file__)), str(b)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_child_env(PYTHONHASHSEED="12345"),
+    )
+    try:
+        assert tiny_model.ensure_tiny_model(a) == a.absolute()
+        out, _ = child.communicate(timeout=SUBPROCESS_TIMEOUT_S)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)
+    assert child.returncode == 0, out
+
+    for name in (
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "config.json",
+    ):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert tiny_model.is_complete(a) and tiny_model.is_complete(b)
+    # Atomic build: no temporary or stale directories left beside the result.
+    assert [p.name for p in a.parent.iterdir()] == ["tiny"]
+
+    cfg = json.loads((a / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"]) == (2, 64)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (4, 2)
+    assert cfg["max_position_embeddings"] == 4096
+
+    # Present and complete: returned as is, not rebuilt.
+    before = (a / "model.safetensors").stat().st_mtime_ns
+    assert tiny_model.ensure_tiny_model(a) == a.absolute()
+    assert (a / "model.safetensors").stat().st_mtime_ns == before
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(a / "tokenizer.json"))
+    text = "Hello world, the cache stores 4096 pages!"
+    ids = tok.encode(text).ids
+    assert 0 < len(ids) < len(text)  # the trained merges are in use
+    assert max(ids) < cfg["vocab_size"]
+    assert tok.decode(ids) == text
+
+
+def test_tiny_model_rebuilds_incomplete_directory(tmp_path: Path) -> None:
+    target = tmp_path / "tiny"
+    target.mkdir()
+    (target / "config.json").write_text("{}")  # a half-written left-over, no marker
+    assert not tiny_model.is_complete(target)
+    tiny_model.ensure_tiny_model(target)
+    assert tiny_model.is_complete(target)
+    assert json.loads((target / "config.json").read_text())["model_type"] == "llama"
+
+
+_SGL_KERNEL_PROBE = """
+import json, sys
+finders = [type(f).__name__ for f in sys.meta_path]
+torch_at_startup = "torch" in sys.modules
+import sgl_kernel
+from sgl_kernel import copy_all_layer_kv_cache_cpu
+from sgl_kernel.scalar_type import scalar_types
+print(json.dumps({
+    "finders": finders,
+    "torch_at_startup": torch_at_startup,
+    "common_ops_is_none": sgl_kernel.common_ops is None,
+    "hooked": getattr(sgl_kernel, "__sgl_kernel_cpu_hook__", False),
+    "file": sgl_kernel.__file__,
+    "copy_fn": callable(copy_all_layer_kv_cache_cpu),
+    "uint4b8": str(scalar_types.uint4b8),
+}))
+"""
+
+
+def test_sgl_kernel_hook_imports_installed_package_on_cpu() -> None:
+    proc = _run_python(_SGL_KERNEL_PROBE, SGLANG_USE_CPU_ENGINE="1")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["finders"][0] == "SglKernelCpuFinder"
+    assert result["torch_at_startup"] is False  # start-up stays light
+    assert result["common_ops_is_none"] is True
+    assert result["hooked"] is True
+    assert result["copy_fn"] is True
+    assert result["uint4b8"] == "uint4b8"
+    # The pip-installed package ran, not a copy inside the repo.
+    assert "site-packages" in result["file"]
+    assert not Path(result["file"]).resolve().is_relative_to(REPO / "test")
+
+
+def test_sgl_kernel_hook_inactive_without_cpu_engine_flag() -> None:
+    # Control: without SGLANG_USE_CPU_ENGINE the finder is not installed and the
+    # installed package fails to load its native ops, as it does on any CPU box.
+    proc = _run_python(
+        "import sys\n"
+        "names = [type(f).__name__ for f in sys.meta_path]\n"
+        "assert 'SglKernelCpuFinder' not in names, names\n"
+        "import sgl_kernel\n",
+        SGLANG_USE_CPU_ENGINE=None,
+    )
+    assert proc.returncode != 0
+    assert "AssertionError" not in proc.stderr
+    assert "common_ops" in proc.stderr, proc.stderr[-4000:]
+
+
+def test_torchvision_stand_in_satisfies_imports() -> None:
+    spec = importlib.util.find_spec("torchvision")
+    assert spec is not None and spec.origin is not None
+    assert Path(spec.origin).resolve().is_relative_to(PYTHONPATH_DIR.resolve())
+
+    import torchvision
+    import torchvision.transforms as T
+    from packaging.version import Version
+    from torchvision.io import decode_image  # a name transformers imports
+
+    assert Version(torchvision.__version__) >= Version("0.20")
+    assert T.__name__ == "torchvision.transforms"
+    assert sys.modules["torchvision.transforms"] is T
+    assert decode_image is not None
+    assert T.Compose([T.ToTensor()]) is not None  # placeholders are callable
+
+
+def test_free_port_is_bindable() -> None:
+    import socket
+
+    port = free_port()
+    assert 1024 <= port <= 65535
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", port))

@@ -1,0 +1,720 @@
+"""The KVCR plugin's SGLang hooks in a real CPU stack with a real KVCR.
+
+Each test builds a real ``MHATokenToKVPool(device="cpu")``, paged allocator and
+``UnifiedRadixCache`` (Python tree core), and a ``KVCRDirectLinker`` made the
+production way: ``create_unified_cache_linker(backend="kvcr")``, then
+``cache.init_cache_linker`` and the pool's layer counter, as
+``sglang/srt/mem_cache/registry.py`` does. ``load_plugins()`` runs once, so the
+real SGLang methods (``Scheduler._add_request_to_queue``,
+``UnifiedCacheLinkerWrapper.release_request`` / ``commit_completed_offloads``,
+``UnifiedRadixCache.on_release`` / ``check_hicache_events`` /
+``init_cache_linker``) carry the plugin's wrappers. A request is made "still
+preparing" by really stalling the KVCR owner thread, so its fetch stays queued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import re
+import threading
+import time
+from array import array
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from sglang.srt.mem_cache.storage.kvcr import integration
+from sglang.srt.mem_cache.storage.kvcr.errors import KVCRUnavailableError
+from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
+
+pytestmark = pytest.mark.kvcr
+
+PAGE = 4
+LAYERS = 2
+HEADS = 2
+DIM = 8
+POOL_TOKENS = 64 * PAGE
+# One page in KVCR DRAM: K and V of every layer, bf16.
+PAGE_BYTES = LAYERS * 2 * PAGE * HEADS * DIM * 2
+KVCR_CONFIG = {
+    "local_dram_bytes_per_worker": 4 * 1024 * 1024,
+    "operation_timeout_ms": 500,
+    "abandon_timeout_ms": 1000,
+    # Far past any stall below: readiness must come from landed pages.
+    "preparation_timeout_ms": 10_000,
+}
+WAIT_S = 10.0
+
+
+# ---- stack ---------------------------------------------------------------------
+
+
+@dataclass
+class Stack:
+    cache: Any
+    kvcache: Any
+    allocator: Any
+    linker: Any
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugin_hooks() -> None:
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    missing = [t for t, ok in integration.installed_hooks().items() if not ok]
+    assert not missing, f"load_plugins() left {missing} unhooked"
+
+
+def build_cache(*, tree_core: str = "python", events: bool = False, **cfg: Any):
+    """A real pool, allocator and UnifiedRadixCache; returns (cache, pool, allocator,
+    server args, params, linker config)."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    config = {**KVCR_CONFIG, **cfg}
+    server_args = ServerArgs(
+        model_path="dummy",  # skips the HF config resolution
+        page_size=PAGE,
+        device="cpu",
+        enable_unified_cache_external_linker=True,
+        unified_cache_external_linker_backend="kvcr",
+        unified_cache_external_linker_config=config,
+    )
+    set_global_server_args_for_scheduler(server_args)
+    kvcache = MHATokenToKVPool(
+        POOL_TOKENS,
+        PAGE,
+        torch.bfloat16,
+        HEADS,
+        DIM,
+        LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    allocator = PagedTokenToKVPoolAllocator(
+        POOL_TOKENS, PAGE, torch.bfloat16, "cpu", kvcache, False
+    )
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=ReqToTokenPool(8, 512, "cpu", False),
+        token_to_kv_pool_allocator=allocator,
+        page_size=PAGE,
+        tree_components=(ComponentType.FULL,),
+        enable_kv_cache_events=events,
+        tree_core_backend=tree_core,
+    )
+    return UnifiedRadixCache(params), kvcache, allocator, server_args, params, config
+
+
+def create_linker(cache: Any, server_args: Any, params: Any, config: dict) -> Any:
+    from sglang.srt.mem_cache.unified_cache.linker_factory import (
+        create_unified_cache_linker,
+    )
+
+    return create_unified_cache_linker(
+        server_args,
+        params,
+        backend="kvcr",
+        config=dict(config),
+        components=set(cache.components),
+    )
+
+
+@pytest.fixture
+def make_stack() -> Iterator[Callable[..., Stack]]:
+    """Builds wired stacks; every linker built is closed at teardown."""
+    linkers: list[Any] = []
+
+    def make(**kwargs: Any) -> Stack:
+        cache, kvcache, allocator, server_args, params, config = build_cache(**kwargs)
+        linker = create_linker(cache, server_args, params, config)
+        linkers.append(linker)
+        cache.init_cache_linker(linker)
+        kvcache.register_layer_transfer_counter(linker.layer_done_counter)
+        return Stack(cache, kvcache, allocator, linker)
+
+    yield make
+    for linker in linkers:
+        linker.close()
+
+
+# ---- helpers -------------------------------------------------------------------
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = WAIT_S):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.002)
+    raise AssertionError(f"{what}: not reached within {timeout} s")
+
+
+def kv_buffers(kvcache: Any) -> list[torch.Tensor]:
+    return [
+        b
+        for layer in range(LAYERS)
+        for b in (kvcache.k_buffer[layer], kvcache.v_buffer[layer])
+    ]
+
+
+def fill_random(kvcache: Any, slots: torch.Tensor, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for buf in kv_buffers(kvcache):
+        buf[slots] = torch.randn(len(slots), HEADS, DIM, generator=gen).to(buf.dtype)
+
+
+def kv_bytes(kvcache: Any, slots: torch.Tensor) -> torch.Tensor:
+    return torch.cat(
+        [buf[slots].reshape(-1).view(torch.uint8) for buf in kv_buffers(kvcache)]
+    )
+
+
+def radix_key(tokens: list[int], salt: str | None = None) -> Any:
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    return RadixKey(array("q", tokens), cache_salt=salt)
+
+
+def device_match(cache: Any, tokens: list[int], salt: str | None = None) -> Any:
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+    return cache.match_prefix(MatchPrefixParams(key=radix_key(tokens, salt)))
+
+
+def node_of(cache: Any, tokens: list[int], salt: str | None = None) -> Any:
+    result = device_match(cache, tokens, salt)
+    assert result.device_prefix_len == len(tokens), "tokens are not on the device"
+    return cache.tree_core.node_by_id(result.last_device_node)
+
+
+def commit_offloads(cache: Any) -> None:
+    """Drive the per-step poll until every offload in flight is committed."""
+
+    def committed() -> bool:
+        cache.check_hicache_events()
+        return not cache.linker.pending_offloads
+
+    wait_until(committed, "offloads committed")
+
+
+def insert(stack: Stack, tokens: list[int], *, seed: int, salt: str | None = None):
+    """Put random K/V for ``tokens`` on the device and insert them (write-through
+    offloads them to KVCR); returns (slots, their original bytes)."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+    slots = stack.allocator.alloc(len(tokens))
+    fill_random(stack.kvcache, slots, seed)
+    original = kv_bytes(stack.kvcache, slots).clone()
+    stack.cache.insert(InsertParams(key=radix_key(tokens, salt), value=slots))
+    return slots, original
+
+
+def insert_and_commit(stack: Stack, tokens: list[int], *, seed: int, salt=None):
+    slots, original = insert(stack, tokens, seed=seed, salt=salt)
+    commit_offloads(stack.cache)
+    assert node_of(stack.cache, tokens, salt).external_cache_stored
+    return slots, original
+
+
+def evict_from_device(stack: Stack, tokens: list[int]) -> None:
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    stack.cache.evict(EvictParams(num_tokens=len(tokens)))
+    assert device_match(stack.cache, tokens).device_prefix_len == 0
+
+
+def make_req(rid: str, tokens: list[int]) -> Any:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    return Req(rid, "", array("q", tokens), SamplingParams(max_new_tokens=1))
+
+
+def handle_of(req: Any) -> str:
+    return LinkerRequestContext(req.rid, req.cache_request_handle.attempt_id).handle
+
+
+class StubScheduler:
+    """Exactly what ``Scheduler._add_request_to_queue`` reads in NULL mode."""
+
+    def __init__(self, tree_cache: Any) -> None:
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+
+        self.tree_cache = tree_cache
+        self.waiting_queue: list[Any] = []
+        self.disaggregation_mode = DisaggregationMode.NULL
+        self.processed_tokens_counter = 0
+
+    def _set_or_validate_priority(self, req: Any) -> bool:
+        return True
+
+    def _abort_on_queued_limit(self, req: Any) -> bool:
+        return False
+
+    def _prefetch_kvcache(self, req: Any) -> None:
+        return None
+
+
+def enqueue(scheduler: StubScheduler, req: Any) -> None:
+    """The real (hooked) ``Scheduler._add_request_to_queue``."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    Scheduler._add_request_to_queue(scheduler, req)
+
+
+@contextlib.contextmanager
+def owner_thread_stalled(linker: Any) -> Iterator[None]:
+    """Keep the KVCR owner thread busy so submitted fetches stay queued."""
+    entered, gate = threading.Event(), threading.Event()
+
+    def hold(_kvcr: Any) -> None:
+        entered.set()
+        gate.wait(WAIT_S)
+
+    caller = threading.Thread(
+        target=linker._adapter.call, args=(hold, WAIT_S + 5), daemon=True
+    )
+    caller.start()
+    assert entered.wait(WAIT_S), "the owner thread never picked up the stall"
+    try:
+        yield
+    finally:
+        gate.set()
+        caller.join(WAIT_S)
+        assert not caller.is_alive(), "the stall call did not return"
+
+
+def ids(reqs: list[Any]) -> list[str]:
+    return [r.rid for r in reqs]
+
+
+def stored_hashes(events: list[Any], medium: str) -> list[int]:
+    from sglang.srt.disaggregation.kv_events import BlockStored
+
+    return [
+        h
+        for e in events
+        if isinstance(e, BlockStored) and e.medium == medium
+        for h in e.block_hashes
+    ]
+
+
+def removed_hashes(events: list[Any], medium: str) -> list[int]:
+    from sglang.srt.disaggregation.kv_events import BlockRemoved
+
+    return [
+        h
+        for e in events
+        if isinstance(e, BlockRemoved) and e.medium == medium
+        for h in e.block_hashes
+    ]
+
+
+# ---- 1. preparation gate and restore -------------------------------------------
+
+
+def test_pending_preparation_is_held_back_then_its_tail_is_restored_bit_exact(
+    make_stack,
+):
+    """A still-fetching request skips a pass in place; once ready it restores exact KV."""
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+    stack = make_stack()
+    cache, linker = stack.cache, stack.linker
+    prefix = list(range(100, 100 + 4 * PAGE))
+    _, original = insert_and_commit(stack, prefix, seed=1)
+    evict_from_device(stack, prefix)
+    for buf in kv_buffers(stack.kvcache):
+        buf.zero_()  # nothing of the prefix survives on the device
+
+    a = make_req("A", [*prefix, 7, 8, 9])
+    b = make_req("B", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    c = make_req("C", [*prefix, 5, 6])
+    late = make_req("late", [40, 41, 42, 43, 44])
+    sched = StubScheduler(cache)
+    passes: list[list[str]] = []
+    arrivals = [[late], []]
+
+    def admit_everything_seen(scheduler, *args, **kwargs):
+        assert args == ("delayer",) and kwargs == {"running_batch": "rb"}
+        seen = list(scheduler.waiting_queue)
+        passes.append(ids(seen))
+        scheduler.waiting_queue.extend(arrivals.pop(0))  # e.g. grammar-ready
+        scheduler.waiting_queue = [
+            r for r in scheduler.waiting_queue if all(r is not s for s in seen)
+        ]
+        return "batch"
+
+    def prefill_pass():
+        return integration._around_get_new_batch_prefill(
+            admit_everything_seen, sched, "delayer", running_batch="rb"
+        )
+
+    with owner_thread_stalled(linker):
+        for req in (a, b, c):
+            enqueue(sched, req)
+        assert ids(sched.waiting_queue) == ["A", "B", "C"]
+        assert not linker.preparation_ready(handle_of(a))
+        assert linker.preparation_ready(handle_of(b))  # nothing to fetch
+        assert prefill_pass() == "batch"
+        assert passes == [["B"]]
+        assert ids(sched.waiting_queue) == ["A", "C", "late"]
+
+    wait_until(lambda: linker.preparation_ready(handle_of(a)), "A prepared")
+    wait_until(lambda: linker.preparation_ready(handle_of(c)), "C prepared")
+    assert linker.stats.prepare_deadline_expired == 0
+    assert linker.claims_held() == 2 * len(prefix) // PAGE
+    assert prefill_pass() == "batch"
+    assert passes[1] == ["A", "C", "late"]
+    assert sched.waiting_queue == []
+
+    a.init_next_round_input(cache)  # match -> lookup answers from A's claims
+    assert a.prefix_len == 0
+    assert a.host_hit_length == len(prefix)
+    loaded = cache.init_load_back(
+        InitLoadBackParams(
+            best_match_node=a.best_match_node,
+            host_hit_length=a.host_hit_length,
+            req=a,
+        )
+    )
+    assert loaded[0] == len(prefix)
+    private = cache.linker.private_load_indices[a.rid].clone()
+    assert len(private) == len(prefix)
+    assert not kv_bytes(stack.kvcache, private).any()  # nothing copied yet
+    assert cache.ready_to_load_host_cache() >= 0
+    assert cache.finish_external_linker_loads([a]) == []
+    assert torch.equal(kv_bytes(stack.kvcache, private), original)
+    assert linker.claims_held() == len(prefix) // PAGE  # only C's remain
+
+
+def test_tail_behind_a_device_resident_prefix_is_prepared_and_restored_bit_exact(
+    make_stack,
+):
+    """The enqueue-time tail is anchored on the device prefix and restores exactly."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams
+
+    stack = make_stack()
+    cache, linker = stack.cache, stack.linker
+    x = list(range(400, 400 + 4 * PAGE))
+    slots, _ = insert_and_commit(stack, x, seed=3)
+    tail_slots = slots[2 * PAGE :].clone()
+    tail_bytes = kv_bytes(stack.kvcache, tail_slots).clone()
+    head_bytes = kv_bytes(stack.kvcache, slots[: 2 * PAGE]).clone()
+    # Branch off after two pages (splits x's node), then evict the older branch:
+    # x's last two pages leave the device, its first two stay.
+    insert_and_commit(stack, [*x[: 2 * PAGE], *range(900, 900 + 2 * PAGE)], seed=4)
+    cache.evict(EvictParams(num_tokens=2 * PAGE))
+    assert device_match(cache, x).device_prefix_len == 2 * PAGE
+    for buf in kv_buffers(stack.kvcache):
+        buf[tail_slots] = 0
+
+    a = make_req("A", [*x, 1, 2, 3])
+    enqueue(StubScheduler(cache), a)
+    wait_until(lambda: linker.preparation_ready(handle_of(a)), "A prepared")
+    assert linker.claims_held() == 2
+    a.init_next_round_input(cache)
+    assert (a.prefix_len, a.host_hit_length) == (2 * PAGE, 2 * PAGE)
+    loaded = cache.init_load_back(
+        InitLoadBackParams(
+            best_match_node=a.best_match_node,
+            host_hit_length=a.host_hit_length,
+            req=a,
+        )
+    )
+    assert loaded[0] == 2 * PAGE
+    private = cache.linker.private_load_indices[a.rid].clone()
+    assert cache.ready_to_load_host_cache() >= 0
+    assert cache.finish_external_linker_loads([a]) == []
+    assert torch.equal(kv_bytes(stack.kvcache, private), tail_bytes)
+    assert torch.equal(kv_bytes(stack.kvcache, slots[: 2 * PAGE]), head_bytes)
+    assert linker.claims_held() == 0
+
+
+# ---- 2. aborts release claims ----------------------------------------------------
+
+
+def _abort(cache: Any, req: Any) -> None:
+    """The scheduler's waiting-queue abort: tree_cache.finish(handle, ABORT)."""
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
+
+    cache.finish(req.cache_request_handle, CacheRequestOutcome.ABORT)
+
+
+def _release(cache: Any, req: Any) -> None:
+    """release_kv_cache's tree call for a finished, aborted or retracted request."""
+    cache.on_release(req, checkpointed=False)
+
+
+@pytest.mark.parametrize(
+    ("end", "while_fetching"),
+    [(_abort, True), (_abort, False), (_release, False)],
+    ids=["abort-while-fetching", "abort-after-landing", "release-after-landing"],
+)
+def test_ending_a_prepared_request_releases_every_claim_in_kvcr(
+    make_stack, end, while_fetching
+):
+    """Aborting or releasing a prepared request leaves no claim held, here or in KVCR."""
+    stack = make_stack()
+    cache, linker = stack.cache, stack.linker
+    prefix = list(range(200, 200 + 3 * PAGE))
+    insert_and_commit(stack, prefix, seed=2)
+    evict_from_device(stack, prefix)
+    pages = len(prefix) // PAGE
+    req = make_req("R", [*prefix, 1, 2])
+    sched = StubScheduler(cache)
+    released_before = linker._adapter.stats().claims_released
+
+    if while_fetching:
+        with owner_thread_stalled(linker):
+            enqueue(sched, req)
+            assert not linker.preparation_ready(handle_of(req))
+            end(cache, req)
+            assert linker.claims_held() == 0
+    else:
+        enqueue(sched, req)
+        wait_until(lambda: linker.preparation_ready(handle_of(req)), "R prepared")
+        assert linker.claims_held() == pages
+        end(cache, req)
+        assert linker.claims_held() == 0
+
+    def all_released() -> bool:
+        cache.check_hicache_events()  # the per-step poll pumps KVCR results
+        return linker._adapter.stats().claims_released - released_before >= pages
+
+    wait_until(all_released, "claims released in KVCR")
+    assert linker._adapter.stats().claims_released - released_before == pages
+    assert linker.claims_held() == 0
+    assert linker.stats.late_claims_released == (pages if while_fetching else 0)
+
+
+# ---- 3. EXTERNAL stored events ----------------------------------------------------
+
+
+def test_committed_offload_publishes_external_block_stored_with_gpu_hashes(
+    make_stack,
+):
+    """EXTERNAL BlockStored mirrors the GPU event of the same pages, salted or not."""
+    from sglang.srt.disaggregation.kv_events import BlockStored, StorageMedium
+
+    stack = make_stack(events=True)
+    cache = stack.cache
+    tokens = list(range(300, 300 + 3 * PAGE))
+    per_salt: dict[str | None, list[int]] = {}
+    for seed, salt in enumerate((None, "s1")):
+        insert(stack, tokens, seed=seed, salt=salt)
+        before_commit = cache.take_events()
+        assert stored_hashes(before_commit, StorageMedium.EXTERNAL) == []
+        gpu = stored_hashes(before_commit, StorageMedium.GPU)
+        assert len(gpu) == len(tokens) // PAGE
+        commit_offloads(cache)
+        events = cache.take_events()
+        external = [
+            e
+            for e in events
+            if isinstance(e, BlockStored) and e.medium == StorageMedium.EXTERNAL
+        ]
+        assert stored_hashes(events, StorageMedium.EXTERNAL) == gpu
+        gpu_event = next(
+            e
+            for e in before_commit
+            if isinstance(e, BlockStored) and e.medium == StorageMedium.GPU
+        )
+        assert all(e.cache_salt == gpu_event.cache_salt == salt for e in external)
+        assert [t for e in external for t in e.token_ids] == tokens
+        per_salt[salt] = gpu
+    assert not set(per_salt[None]) & set(per_salt["s1"])
+
+
+# ---- 4. KVCR eviction ---------------------------------------------------------------
+
+
+def test_kvcr_eviction_clears_stored_marks_publishes_removal_and_reoffloads(
+    make_stack,
+):
+    """Pages KVCR evicts lose their stored mark, emit EXTERNAL BlockRemoved, re-offload."""
+    from sglang.srt.disaggregation.kv_events import StorageMedium
+
+    stack = make_stack(events=True, local_dram_bytes_per_worker=2 * PAGE_BYTES)
+    cache, linker = stack.cache, stack.linker
+    seqs = [[1000 * (i + 1) + t for t in range(PAGE)] for i in range(4)]
+    gpu_hashes: dict[int, list[int]] = {}
+    slots: dict[int, torch.Tensor] = {}
+    events: list[Any] = []  # removals may be published by any commit below
+    for i, tokens in enumerate(seqs):
+        slots[i], _ = insert(stack, tokens, seed=10 + i)
+        inserted = cache.take_events()
+        gpu_hashes[i] = stored_hashes(inserted, StorageMedium.GPU)
+        events += inserted
+        commit_offloads(cache)
+        events += cache.take_events()
+
+    def marks() -> dict[int, bool]:
+        return {i: node_of(cache, t).external_cache_stored for i, t in enumerate(seqs)}
+
+    def two_cleared() -> bool:
+        cache.check_hicache_events()
+        return sum(not v for v in marks().values()) >= 2
+
+    wait_until(two_cleared, "stored marks cleared for KVCR-evicted pages")
+    events += cache.take_events()
+    cleared = sorted(i for i, stored in marks().items() if not stored)
+    assert len(cleared) == 2, marks()
+    assert linker.stats.evicted_pages == 2
+    assert sorted(removed_hashes(events, StorageMedium.EXTERNAL)) == sorted(
+        h for i in cleared for h in gpu_hashes[i]
+    )
+    assert removed_hashes(events, StorageMedium.GPU) == []
+
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+    kept = next(i for i in range(4) if i not in cleared)
+    offloads = linker.stats.offloads
+    cache.insert(InsertParams(key=radix_key(seqs[kept]), value=slots[kept]))
+    assert linker.stats.offloads == offloads  # still stored: nothing to do
+    gone = cleared[0]
+    cache.insert(InsertParams(key=radix_key(seqs[gone]), value=slots[gone]))
+    assert linker.stats.offloads == offloads + 1
+    commit_offloads(cache)
+    assert node_of(cache, seqs[gone]).external_cache_stored
+    assert (
+        stored_hashes(cache.take_events(), StorageMedium.EXTERNAL) == gpu_hashes[gone]
+    )
+
+
+def test_kvcr_eviction_clears_the_mark_a_node_split_moved_to_a_new_parent(make_stack):
+    """A split hands the stored mark to a new parent; evicting its page clears it too."""
+    from sglang.srt.disaggregation.kv_events import StorageMedium
+
+    stack = make_stack(events=True, local_dram_bytes_per_worker=3 * PAGE_BYTES)
+    cache = stack.cache
+    x = list(range(500, 500 + 3 * PAGE))
+    insert_and_commit(stack, x, seed=20)
+    x_hashes = stored_hashes(cache.take_events(), StorageMedium.GPU)
+    assert len(x_hashes) == 3
+    # y shares x's first page: the insert splits x's node, and the new parent
+    # (a new node id) inherits the stored mark for that page.
+    y = [*x[:PAGE], *range(600, 600 + 3 * PAGE)]
+    insert(stack, y, seed=21)
+    parent = node_of(cache, x[:PAGE])
+    assert parent.external_cache_stored
+    assert parent is not node_of(cache, x)
+    events = cache.take_events()
+    commit_offloads(cache)  # y's three new pages evict all of x's from KVCR
+
+    def x_marks_cleared() -> bool:
+        cache.check_hicache_events()
+        return not node_of(cache, x).external_cache_stored
+
+    wait_until(x_marks_cleared, "x's stored mark cleared")
+    events += cache.take_events()
+    assert stack.linker.stats.evicted_pages == 3
+    assert not node_of(cache, x[:PAGE]).external_cache_stored
+    assert sorted(removed_hashes(events, StorageMedium.EXTERNAL)) == sorted(x_hashes)
+
+
+def test_kvcr_eviction_of_pages_no_longer_on_the_device_still_publishes_removal(
+    make_stack,
+):
+    """EXTERNAL BlockRemoved follows KVCR residency even after the device dropped the node."""
+    from sglang.srt.disaggregation.kv_events import StorageMedium
+
+    stack = make_stack(events=True, local_dram_bytes_per_worker=2 * PAGE_BYTES)
+    cache = stack.cache
+    x = list(range(700, 700 + 2 * PAGE))
+    insert_and_commit(stack, x, seed=30)
+    x_hashes = stored_hashes(cache.take_events(), StorageMedium.EXTERNAL)
+    assert len(x_hashes) == 2
+    evict_from_device(stack, x)
+    events = cache.take_events()
+    assert sorted(removed_hashes(events, StorageMedium.GPU)) == sorted(x_hashes)
+    insert_and_commit(stack, list(range(800, 800 + 2 * PAGE)), seed=31)
+
+    def x_evicted_from_kvcr() -> bool:
+        cache.check_hicache_events()
+        return stack.linker.stats.evicted_pages >= 2
+
+    wait_until(x_evicted_from_kvcr, "x evicted from KVCR")
+    cache.check_hicache_events()
+    events += cache.take_events()
+    assert sorted(removed_hashes(events, StorageMedium.EXTERNAL)) == sorted(x_hashes)
+
+
+# ---- 5./6. refusals at linker start ---------------------------------------------------
+
+
+@contextlib.contextmanager
+def unhooked(target: str) -> Iterator[None]:
+    """Temporarily put the original method back in place of its hook wrapper."""
+    module_path, cls_name, attr = target.rsplit(".", 2)
+    cls = getattr(importlib.import_module(module_path), cls_name)
+    wrapper = getattr(cls, attr)
+    setattr(cls, attr, wrapper.__wrapped__)
+    try:
+        yield
+    finally:
+        setattr(cls, attr, wrapper)
+
+
+@pytest.mark.parametrize(
+    "target", integration.TARGETS, ids=lambda t: t.rsplit(".", 2)[-1]
+)
+def test_missing_hook_is_reported_by_name(target):
+    """require_hooks_installed names exactly the target whose wrapper is gone."""
+    with unhooked(target):
+        with pytest.raises(KVCRUnavailableError) as excinfo:
+            integration.require_hooks_installed()
+        named = [t for t in integration.TARGETS if t in str(excinfo.value)]
+        assert named == [target]
+    integration.require_hooks_installed()
+
+
+def test_linker_refuses_to_start_when_a_scheduler_hook_is_missing():
+    """init_cache_linker raises, naming the unhooked scheduler method."""
+    target = integration.TARGETS[1]
+    cache, _, _, server_args, params, config = build_cache()
+    linker = create_linker(cache, server_args, params, config)
+    try:
+        with (
+            unhooked(target),
+            pytest.raises(KVCRUnavailableError, match=re.escape(target)),
+        ):
+            cache.init_cache_linker(linker)
+    finally:
+        linker.close()
+
+
+def test_linker_refuses_the_rust_tree_core_naming_the_python_setting():
+    """A non-Python tree core is refused with the environment setting to use."""
+    cache, _, _, server_args, params, config = build_cache(tree_core="rust")
+    assert type(cache.tree_core).__name__ != "UnifiedTreeCore"
+    linker = create_linker(cache, server_args, params, config)
+    try:
+        with pytest.raises(
+            KVCRUnavailableError,
+            match="SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python",
+        ):
+            cache.init_cache_linker(linker)
+    finally:
+        linker.close()
+
+
+def test_flush_clears_the_stored_page_index_and_kvcr_residency(make_stack):
+    """reset() (flush_cache) empties the hash->node index and the KVCR tier."""
+    stack = make_stack()
+    tokens = list(range(500, 500 + 2 * PAGE))
+    insert_and_commit(stack, tokens, seed=3)
+    assert stack.cache._kvcr_hash_to_node
+    stack.cache.reset()
+    assert stack.cache._kvcr_hash_to_node == {}
+    assert stack.linker.stats_line().count("resident_keys=0") == 1
