@@ -100,8 +100,9 @@ def page_aligned(prompt_len: int, page: int) -> int:
 def page_hashes(token_ids: list[int], page: int) -> list[int]:
     """The router's unsigned 64-bit hashes of a prompt's full pages."""
     from sglang.srt.mem_cache.radix_cache import RadixKey
-    from sglang.srt.mem_cache.storage.kvcr.router_hint import page_hash_to_u64
     from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    from sglang.srt.mem_cache.storage.kvcr.router_hint import page_hash_to_u64
 
     usable = page_aligned(len(token_ids), page)
     hashes = get_storage_hash_str(RadixKey(token_ids[:usable]), None, page_size=page)
@@ -380,7 +381,7 @@ class Driver:
         )
         body = {
             "checks": self.checks,
-            "config": {k: v for k, v in vars(self.args).items()},
+            "config": dict(vars(self.args)),
             "model_path": self.model,
             "wall_s": round(wall_s, 2),
             "linker_stats": stats,
@@ -396,7 +397,7 @@ class Driver:
             print(
                 f"{c['name']:<24} {'PASS' if c['passed'] else 'FAIL':<6} "
                 f"{c['external_cached_tokens']:>9} {c['expected_tokens']:>9} "
-                f"{str(c['output_matches_control']):>15}"
+                f"{c['output_matches_control']!s:>15}"
             )
         ok = all(c["passed"] for c in self.checks)
         print(f"overall: {'PASS' if ok else 'FAIL'} in {wall_s:.1f} s")
