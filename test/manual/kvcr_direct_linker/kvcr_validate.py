@@ -40,6 +40,7 @@ CHECKS = (
     "stale_hint_control",
     "dead_peer_control",
 )
+PEER_CHECKS = frozenset(CHECKS[2:])
 STATS_RE = re.compile(r"KVCR_STATS .*")
 
 
@@ -84,7 +85,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="",
         help="extra launch_server flags, e.g. '--attention-backend fa3' on GPU",
     )
+    p.add_argument(
+        "--checks",
+        default="",
+        help=f"comma-separated subset of {','.join(CHECKS)} (default: all)",
+    )
     args = p.parse_args(argv)
+    unknown = set(filter(None, args.checks.split(","))) - set(CHECKS)
+    if unknown:
+        p.error(f"--checks: unknown {sorted(unknown)}; choose from {list(CHECKS)}")
     if args.page_size < 1 or args.prompt_len < 2 * args.page_size:
         p.error("--prompt-len must cover at least two pages of --page-size")
     if args.output_len < 1:
@@ -142,6 +151,7 @@ class Driver:
         self.work.mkdir(parents=True, exist_ok=True)
         self.checks: list[dict[str, Any]] = []
         self.servers: dict[str, harness.ServerHandle] = {}
+        self.selected = set(args.checks.split(",")) if args.checks else set(CHECKS)
 
     def prompt(self) -> list[int]:
         return [self.rng.randrange(3, self.vocab) for _ in range(self.args.prompt_len)]
@@ -255,106 +265,92 @@ class Driver:
 
     def main(self) -> int:
         a = self.args
-        aligned = page_aligned(a.prompt_len, a.page_size)
-        need = int(0.9 * aligned)
-        prompts = {name: self.prompt() for name in CHECKS}
+        self.aligned = page_aligned(a.prompt_len, a.page_size)
+        self.need = int(0.9 * self.aligned)
+        self.prompts = {name: self.prompt() for name in self.selected}
         started = time.monotonic()
         try:
             control = self.launch("control", None, 0)
-            controls = {name: self.run(control, ids) for name, ids in prompts.items()}
+            self.controls = {
+                n: self.run(control, ids) for n, ids in self.prompts.items()
+            }
             control.stop()
             ctl_a, ctl_b = self.control_port(1), self.control_port(2)
-            srv_a = self.launch("linker_a", self.linker_config(ctl_a), 1)
-            srv_b = self.launch("linker_b", self.linker_config(ctl_b), 2)
-            endpoint_a = f"tcp://127.0.0.1:{ctl_a}"
-
-            # local_round_trip: compute, evict from the device, replay from KVCR.
-            self.run(srv_a, prompts["local_round_trip"])
-            self.fill(srv_a)
-            r = self.run(srv_a, prompts["local_round_trip"])
-            self.record(
-                "local_round_trip",
-                r,
-                controls["local_round_trip"],
-                aligned,
-                r["external_cached_tokens"] >= need,
-            )
-
-            # flush_clears_residency: a flush rebuilds KVCR; the replay misses cleanly.
-            self.run(srv_a, prompts["flush_clears_residency"])
-            time.sleep(0.5)  # let the write-through offload commit
-            flushed = srv_a.flush_cache().status_code == 200
-            r = self.run(srv_a, prompts["flush_clears_residency"])
-            self.record(
-                "flush_clears_residency",
-                r,
-                controls["flush_clears_residency"],
-                0,
-                flushed
-                and r["external_cached_tokens"] == 0
-                and r["device_cached_tokens"] == 0,
-                flush_ok=flushed,
-            )
-
-            # peer_reuse: A computes; B is told by a hint that A holds the pages.
-            self.run(srv_a, prompts["peer_reuse"])
-            time.sleep(1.0)  # A's offload to its KVCR DRAM completes asynchronously
-            hashes = page_hashes(prompts["peer_reuse"], a.page_size)
-            r = self.run(
-                srv_b, prompts["peer_reuse"], kv_hints=fetch_hint(endpoint_a, hashes)
-            )
-            self.record(
-                "peer_reuse",
-                r,
-                controls["peer_reuse"],
-                aligned,
-                r["external_cached_tokens"] >= need,
-            )
-
-            # no_hint_control: A holds the pages, B is not told: a clean miss.
-            self.run(srv_a, prompts["no_hint_control"])
-            time.sleep(1.0)
-            r = self.run(srv_b, prompts["no_hint_control"])
-            self.record(
-                "no_hint_control",
-                r,
-                controls["no_hint_control"],
-                0,
-                r["external_cached_tokens"] == 0,
-            )
-
-            # stale_hint_control: the hint names pages A never computed.
-            stale = page_hashes(prompts["stale_hint_control"], a.page_size)
-            r = self.run(
-                srv_b,
-                prompts["stale_hint_control"],
-                kv_hints=fetch_hint(endpoint_a, stale),
-            )
-            self.record(
-                "stale_hint_control",
-                r,
-                controls["stale_hint_control"],
-                0,
-                r["external_cached_tokens"] == 0,
-            )
-
-            # dead_peer_control: the hint names an endpoint nobody listens on.
-            dead = f"tcp://127.0.0.1:{harness.free_port()}"
-            hashes = page_hashes(prompts["dead_peer_control"], a.page_size)
-            r = self.run(
-                srv_b, prompts["dead_peer_control"], kv_hints=fetch_hint(dead, hashes)
-            )
-            self.record(
-                "dead_peer_control",
-                r,
-                controls["dead_peer_control"],
-                0,
-                r["external_cached_tokens"] == 0,
-            )
+            self.a = self.launch("linker_a", self.linker_config(ctl_a), 1)
+            if self.selected & PEER_CHECKS:
+                self.b = self.launch("linker_b", self.linker_config(ctl_b), 2)
+            self.endpoint_a = f"tcp://127.0.0.1:{ctl_a}"
+            for name in CHECKS:  # dead_peer_control last: it leaves B quarantined
+                if name in self.selected:
+                    getattr(self, f"check_{name}")(name)
         finally:
             for handle in self.servers.values():
                 handle.stop()
         return self.report(time.monotonic() - started)
+
+    def check_local_round_trip(self, name: str) -> None:
+        """Compute, evict from the device with filler traffic, replay from KVCR."""
+        self.run(self.a, self.prompts[name])
+        self.fill(self.a)
+        r = self.run(self.a, self.prompts[name])
+        self.record(
+            name,
+            r,
+            self.controls[name],
+            self.aligned,
+            r["external_cached_tokens"] >= self.need,
+        )
+
+    def check_flush_clears_residency(self, name: str) -> None:
+        """A flush rebuilds KVCR; the replay is a clean miss."""
+        self.run(self.a, self.prompts[name])
+        time.sleep(0.5)  # let the write-through offload commit
+        flushed = self.a.flush_cache().status_code == 200
+        r = self.run(self.a, self.prompts[name])
+        ok = (
+            flushed
+            and r["external_cached_tokens"] == 0
+            and r["device_cached_tokens"] == 0
+        )
+        self.record(name, r, self.controls[name], 0, ok, flush_ok=flushed)
+
+    def check_peer_reuse(self, name: str) -> None:
+        """A computes; B is told by a hint that A holds the pages."""
+        self.run(self.a, self.prompts[name])
+        time.sleep(1.0)  # A's offload to its KVCR DRAM completes asynchronously
+        hashes = page_hashes(self.prompts[name], self.args.page_size)
+        r = self.run(
+            self.b, self.prompts[name], kv_hints=fetch_hint(self.endpoint_a, hashes)
+        )
+        self.record(
+            name,
+            r,
+            self.controls[name],
+            self.aligned,
+            r["external_cached_tokens"] >= self.need,
+        )
+
+    def check_no_hint_control(self, name: str) -> None:
+        """A holds the pages, B is not told: a clean miss."""
+        self.run(self.a, self.prompts[name])
+        time.sleep(1.0)
+        r = self.run(self.b, self.prompts[name])
+        self.record(name, r, self.controls[name], 0, r["external_cached_tokens"] == 0)
+
+    def check_stale_hint_control(self, name: str) -> None:
+        """The hint names pages A never computed."""
+        stale = page_hashes(self.prompts[name], self.args.page_size)
+        r = self.run(
+            self.b, self.prompts[name], kv_hints=fetch_hint(self.endpoint_a, stale)
+        )
+        self.record(name, r, self.controls[name], 0, r["external_cached_tokens"] == 0)
+
+    def check_dead_peer_control(self, name: str) -> None:
+        """The hint names an endpoint nobody listens on."""
+        dead = f"tcp://127.0.0.1:{harness.free_port()}"
+        hashes = page_hashes(self.prompts[name], self.args.page_size)
+        r = self.run(self.b, self.prompts[name], kv_hints=fetch_hint(dead, hashes))
+        self.record(name, r, self.controls[name], 0, r["external_cached_tokens"] == 0)
 
     def report(self, wall_s: float) -> int:
         stats = {
@@ -363,7 +359,7 @@ class Driver:
         }
         done = {c["name"] for c in self.checks}
         for name in CHECKS:
-            if name not in done:
+            if name in self.selected and name not in done:
                 self.checks.append(
                     {
                         "name": name,

@@ -25,7 +25,7 @@ import contextlib
 import importlib
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 from unittest import mock
@@ -42,7 +42,9 @@ MAMBA_SWA_LAYERS = (0, 1, 2)
 SLIDING_WINDOW = 8
 MAX_EVENT_ROUNDS = 2000
 MOONCAKE_CONFIG = {"master_server_address": "127.0.0.1:50051", "protocol": "tcp"}
-STORE_TARGET = "sglang.srt.mem_cache.storage.mooncake_store.mooncake_store.MooncakeStore"
+STORE_TARGET = (
+    "sglang.srt.mem_cache.storage.mooncake_store.mooncake_store.MooncakeStore"
+)
 LINKER_MODULE = "sglang.srt.mem_cache.storage.mooncake_store.mooncake_direct_linker"
 
 
@@ -230,7 +232,7 @@ def build_mooncake_linker(env: SimpleNamespace, **kwargs: Any) -> Any:
         )
 
 
-def make_req(rid: str, tokens: list[int] = ()) -> Any:
+def make_req(rid: str, tokens: Sequence[int] = ()) -> Any:
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -327,6 +329,7 @@ def run_mooncake_scenario() -> list[tuple[str, Any]]:
     _insert(env, first, value)
     trace.append(("pending_after_insert", len(cache.linker.pending_offloads)))
     trace.append(("pending_after_drain", _drain(cache)))
+    first_sets = len(store.sets)
     trace.append(("sets_1", list(store.sets)))
 
     second = first + list(range(200, 204))
@@ -334,7 +337,7 @@ def run_mooncake_scenario() -> list[tuple[str, Any]]:
     _insert(env, second, torch.cat([value, tail]))
     trace.append(("pending_after_extend", len(cache.linker.pending_offloads)))
     trace.append(("pending_after_drain_2", _drain(cache)))
-    trace.append(("sets_2", list(store.sets[len(trace[-3][1]) :])))
+    trace.append(("sets_2", list(store.sets[first_sets:])))
     trace.append(("sessions", [repr(s) for s in store.sessions]))
 
     cache.reset()
@@ -355,7 +358,18 @@ def run_mooncake_scenario() -> list[tuple[str, Any]]:
     )
     trace.append(("load_back_tokens", None if loaded is None else loaded[0]))
     trace.append(("inflight", list(cache.linker.inflight_load_rids)))
-    trace.append(("pending_loads", sorted(linker.pending_loads)))
+    trace.append(
+        (
+            "pending_loads",
+            {
+                rid: [
+                    (str(t.name.value), list(t.keys), t.host_indices.tolist())
+                    for t in ts
+                ]
+                for rid, ts in linker.pending_loads.items()
+            },
+        )
+    )
 
     cache.release_aborted_request(req.cache_request_handle)
     trace.append(("after_abort_markers", sorted(cache.linker.hit_markers)))
@@ -365,12 +379,20 @@ def run_mooncake_scenario() -> list[tuple[str, Any]]:
     mamba_free = env.req_to_token.mamba_allocator.available_size()
     cache.on_release(req, checkpointed=False)
     trace.append(
-        ("on_release_mamba_freed", env.req_to_token.mamba_allocator.available_size() - mamba_free)
+        (
+            "on_release_mamba_freed",
+            env.req_to_token.mamba_allocator.available_size() - mamba_free,
+        )
     )
     trace.append(("stats", dict(linker.stats)))
     cache.linker.close()
     trace.append(("store_closed", store.closed))
-    trace.append(("threads_alive", [linker.load_thread.is_alive(), linker.offload_thread.is_alive()]))
+    trace.append(
+        (
+            "threads_alive",
+            [linker.load_thread.is_alive(), linker.offload_thread.is_alive()],
+        )
+    )
     return trace
 
 
@@ -453,15 +475,24 @@ def test_cache_drives_mooncake_identically_with_and_without_the_plugin():
     assert facts["tree_core"] == "RustUnifiedTreeCore"  # no Python core demanded
     assert facts["cache_attrs"] == []
     assert facts["pending_after_insert"] > 0 and facts["pending_after_drain"] == 0
-    assert facts["sets_1"] and facts["sets_2"]
-    # Only the new node is offloaded on the extension: the stored marks held.
-    assert all(t[1][0] == "kv" and len(t[1][1]) == 4 for t in [(0, s[0]) for s in facts["sets_2"]])
+    assert facts["sets_1"]
+    # Only the new four-token node is offloaded on the extension: the stored
+    # marks of the first offloads held.
+    ((kv, swa, mamba),) = facts["sets_2"]
+    assert (kv[0], len(kv[1]), swa[0], len(swa[1]), mamba[0]) == (
+        "kv",
+        4,
+        "swa",
+        4,
+        "mamba",
+    )
     assert facts["match"] == (0, 24)
     assert facts["hit_markers"] == ["external-hit"]
     assert facts["load_back_tokens"] == 24
-    assert facts["inflight"] == facts["pending_loads"] == ["external-hit"]
+    assert facts["inflight"] == list(facts["pending_loads"]) == ["external-hit"]
     assert facts["after_abort_markers"] == []
     assert facts["after_abort_inflight"] == facts["after_abort_pending_loads"] == []
+    assert facts["on_release_mamba_freed"] == 1
     assert facts["store_closed"] is True
     assert facts["threads_alive"] == [False, False]
 
@@ -505,7 +536,9 @@ def test_prefill_gate_passes_the_queue_through_without_a_collective(mooncake_env
     sentinel = object()
 
     def original(sched: Any, *args: Any, **kwargs: Any) -> Any:
-        seen.append((sched, sched.waiting_queue, list(sched.waiting_queue), args, kwargs))
+        seen.append(
+            (sched, sched.waiting_queue, list(sched.waiting_queue), args, kwargs)
+        )
         return sentinel
 
     with (
@@ -532,10 +565,12 @@ def test_release_and_event_hooks_add_nothing_for_mooncake(mooncake_env):
     with (
         mock.patch("torch.distributed.all_gather_object") as gather,
         mock.patch.object(integration, "clear_stored_marks") as clear,
-        mock.patch.object(cache.tree_core, "kv_events", create=True) as events,
+        mock.patch.object(integration, "_node") as node_lookup,
     ):
         assert integration._after_wrapper_release_request(None, wrapper, "done") is None
-        assert integration._after_on_release(None, cache, req, checkpointed=True) is None
+        assert (
+            integration._after_on_release(None, cache, req, checkpointed=True) is None
+        )
         assert integration._after_check_hicache_events(None, cache) is None
         original = mock.Mock(return_value="committed")
         successes = [True, False]
@@ -547,7 +582,7 @@ def test_release_and_event_hooks_add_nothing_for_mooncake(mooncake_env):
     assert original.call_args.args[1] is successes  # not copied or rewrapped
     gather.assert_not_called()
     clear.assert_not_called()
-    assert events.mock_calls == []
+    node_lookup.assert_not_called()  # no EXTERNAL event, no stored-mark index
 
 
 def test_init_cache_linker_hook_demands_nothing_of_a_mooncake_cache(mooncake_env):
@@ -559,5 +594,8 @@ def test_init_cache_linker_hook_demands_nothing_of_a_mooncake_cache(mooncake_env
     with mock.patch.object(
         integration, "require_hooks_installed", side_effect=AssertionError("called")
     ):
-        assert integration._after_init_cache_linker(None, cache, mooncake_env.linker) is None
+        assert (
+            integration._after_init_cache_linker(None, cache, mooncake_env.linker)
+            is None
+        )
     assert not hasattr(cache, "_kvcr_hash_to_node")

@@ -98,7 +98,6 @@ def _run_rank(rank: int, port: int) -> dict[str, Any]:
     def mark(what: str) -> None:
         timings[what] = round(time.monotonic() - started, 2)
 
-    import torch
     import torch.distributed as dist
     from sglang.srt.plugins import load_plugins
 
@@ -129,7 +128,7 @@ def _run_rank(rank: int, port: int) -> dict[str, Any]:
         out["readiness"] = _readiness_scenario(rank, cache)
         dist.barrier()
         mark("readiness")
-        out["offloads"] = _offload_scenario(rank, cache, pool, allocator, torch)
+        out["offloads"] = _offload_scenario(rank, cache, pool, allocator)
         dist.barrier()
         mark("offloads")
         return out
@@ -276,9 +275,9 @@ def _fill(pool: Any, indices: Any, rank: int, seed: int) -> None:
     gen = torch.Generator().manual_seed(1000 * rank + seed)
     for layer in range(LAYERS):
         for buf in (pool.k_buffer[layer], pool.v_buffer[layer]):
-            buf[indices] = torch.randn(
-                len(indices), HEADS, DIM, generator=gen
-            ).to(buf.dtype)
+            buf[indices] = torch.randn(len(indices), HEADS, DIM, generator=gen).to(
+                buf.dtype
+            )
 
 
 def _insert(cache: Any, tokens: list[int], value: Any) -> None:
@@ -330,8 +329,10 @@ def _drain(cache: Any) -> int:
 
 
 def _offload_scenario(
-    rank: int, cache: Any, pool: Any, allocator: Any, torch: Any
+    rank: int, cache: Any, pool: Any, allocator: Any
 ) -> dict[str, Any]:
+    import torch
+
     linker = cache.linker.cache_linker
     out: dict[str, Any] = {}
     committed: list[list[bool]] = []
@@ -470,6 +471,7 @@ def ranks() -> dict[int, dict[str, Any]]:
 def test_each_rank_runs_its_own_kvcr_linker_on_the_python_tree_core(ranks):
     """Both ranks built the plugin's linker over a real cache and CPU pool."""
     for rank in range(WORLD):
+        print(f"rank {rank} timings (s since spawn): {ranks[rank]['timings']}")
         assert ranks[rank]["tree_core"] == "UnifiedTreeCore"
         assert ranks[rank]["linker"] == "KVCRDirectLinker"
         # The refusing rank's budget is exactly one page's deposit.
@@ -487,7 +489,11 @@ def test_readiness_is_min_reduced_and_both_ranks_hold_the_same_request(ranks):
     # The prefill pass saw the same queue on both ranks, without r1.
     assert r0["seen"] == r1["seen"] == [["r0", "r2"]]
     # The original's result passes through with its arguments.
-    assert r0["result"] == r1["result"] == ["batch", "r0", ["pass"], {"running_batch": None}]
+    assert (
+        r0["result"]
+        == r1["result"]
+        == ["batch", "r0", ["pass"], {"running_batch": None}]
+    )
     # r0 was admitted; r1 is back in its place; the arrival goes last.
     assert r0["queue_after"] == r1["queue_after"] == ["r1", "r2", "r3"]
 
