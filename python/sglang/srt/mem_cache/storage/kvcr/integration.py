@@ -259,10 +259,9 @@ def _after_init_cache_linker(result: Any, cache: Any, cache_linker: Any) -> None
     ):
         return
     require_hooks_installed()
-    if (
-        not hasattr(cache.tree_core, "node_by_id")
-        or type(cache.tree_core).__name__ != "UnifiedTreeCore"
-    ):
+    from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
+
+    if not isinstance(cache.tree_core, UnifiedTreeCore):
         raise KVCRUnavailableError(
             f"the KVCR linker needs SGLang's Python radix tree core (got "
             f"{type(cache.tree_core).__name__}); set {TREE_CORE_ENV}=python"
