@@ -49,20 +49,25 @@ def make_pool():
     )
 
 
-def make_linker(pool, **overrides):
+def make_linker(pool, draft_pools=(), **overrides):
     config = {
-        "local_dram_bytes_per_worker": 32 * LAYERS * 2 * PAGE * HEADS * DIM * 2,
+        "local_dram_bytes_per_worker": 64 * LAYERS * 2 * PAGE * HEADS * DIM * 2,
         "operation_timeout_ms": 500,
         "abandon_timeout_ms": 1000,
         "preparation_timeout_ms": 2000,
         **overrides,
     }
-    server_args = SimpleNamespace(model_path="tiny-test", revision=None)
+    server_args = SimpleNamespace(
+        model_path="tiny-test",
+        revision=None,
+        speculative_draft_model_path="tiny-draft" if draft_pools else None,
+    )
     params = SimpleNamespace(
         token_to_kv_pool_allocator=_Allocator(pool),
         page_size=PAGE,
         attn_tp_cache_group=None,
         tp_cache_group=None,
+        sidecar_draft_device_pools=tuple(draft_pools),
     )
     return KVCRDirectLinker(
         server_args, params, components={0}, extra_config=config, forward_stream=None
@@ -377,3 +382,33 @@ def test_abandoned_fetch_bytes_bound_refuses_new_preparations(pool):
     finally:
         gate.set()
         lk.close()
+
+
+def test_sidecar_draft_pool_pages_round_trip_with_the_target_pages(pool):
+    """A draft KV pool sharing the target's slots is offloaded and restored too."""
+    draft = make_pool()
+    lk = make_linker(pool, draft_pools=(draft,))
+    try:
+        assert [p.name for p in lk.layout.pools] == ["kv", "draft"]
+        fill_pages(pool, [1, 2], seed=11)
+        fill_pages(draft, [1, 2], seed=12)
+        want = [
+            (page_bytes(pool, p).clone(), page_bytes(draft, p).clone()) for p in (1, 2)
+        ]
+        hashes = page_hashes(2, "dr")
+        assert offload_and_commit(lk, hashes, [1, 2]) is True
+        handle = lk.prepare_request(LinkerRequestContext("dr"), kv_transfer(hashes))
+        wait_until(lambda: lk.preparation_ready(handle), what="prepare")
+        assert lk.lookup("dr", kv_transfer(hashes)) == [1, 2]
+        assert restore(lk, "dr", hashes, [7, 8]) is True
+        for (kv_bytes, draft_bytes), page in zip(want, (7, 8)):
+            assert torch.equal(page_bytes(pool, page), kv_bytes)
+            assert torch.equal(page_bytes(draft, page), draft_bytes)
+    finally:
+        lk.close()
+
+
+def test_more_than_one_draft_pool_is_refused_at_startup(pool):
+    """Two draft pools cannot be described: a clear startup error, no KVCR."""
+    with pytest.raises(ValueError, match="at most one draft KV pool"):
+        make_linker(pool, draft_pools=(make_pool(), make_pool()))

@@ -48,6 +48,7 @@ from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import (
     Release,
     make_kvcr_factory,
 )
+from sglang.srt.mem_cache.storage.kvcr.kvcr_layout import KVCRLayoutError
 from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
     LinkerRequestContext,
     PreparationHooks,
@@ -148,7 +149,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self._rank, self._local_ranks = _attn_rank(params)
         identity = kvcache_layout_identity(server_args, self._rank, self._local_ranks)
         self.layout = kvcr_layout.PageLayout.from_kv_pool(
-            kvcache, self.page_size, identity=identity
+            kvcache, self.page_size, identity=identity, draft_pool=_draft_pool(params)
         )
         self.pools = {PoolName.KV: kvcache}
         self.num_layers = self.layout.num_layers
@@ -700,6 +701,24 @@ def _page_rows(tensor: torch.Tensor, page_size: int, page_bytes: int) -> torch.T
     return flat.view(pages, page_bytes)
 
 
+def _draft_pool(params: Any) -> Any:
+    """The one draft KV pool sharing the target's slots, if any (else None).
+
+    Packed (MTP) and sidecar draft pools are both indexed by the target's token
+    slots, so either becomes a ``draft`` KVCR pool keyed per page like ``kv``.
+    """
+    pools = [
+        *getattr(params, "sidecar_draft_device_pools", ()),
+        *getattr(params, "mtp_draft_device_pools", ()),
+    ]
+    if len(pools) > 1:
+        raise KVCRLayoutError(
+            f"the KVCR linker supports at most one draft KV pool, got {len(pools)} "
+            "(--speculative-* settings); use a single draft model layer pool"
+        )
+    return pools[0] if pools else None
+
+
 def _kv_keys(transfers: list[PoolTransfer]) -> list[str]:
     for transfer in transfers:
         if transfer.name == PoolName.KV:
@@ -724,6 +743,8 @@ def kvcache_layout_identity(
 ) -> kvcr_layout.ModelIdentity:
     """The model identity a page's compatibility digest covers."""
     draft = getattr(server_args, "speculative_draft_model_path", None) or ""
+    if not draft and getattr(server_args, "speculative_algorithm", None):
+        draft = f"{server_args.speculative_algorithm}:{server_args.model_path}"
     return kvcr_layout.ModelIdentity(
         checkpoint=str(getattr(server_args, "model_path", "") or ""),
         revision=str(getattr(server_args, "revision", None) or ""),
