@@ -412,3 +412,40 @@ def test_more_than_one_draft_pool_is_refused_at_startup(pool):
     """Two draft pools cannot be described: a clear startup error, no KVCR."""
     with pytest.raises(ValueError, match="at most one draft KV pool"):
         make_linker(pool, draft_pools=(make_pool(), make_pool()))
+
+
+def test_staged_offload_round_trip_is_byte_exact_and_returns_its_slots(pool):
+    """offload_path=staged copies pages to host staging, deposits, frees the slots."""
+    lk = make_linker(pool, offload_path="staged")
+    try:
+        assert lk._staging is not None
+        free_before = lk._staging.free_slots
+        fill_pages(pool, [1, 2, 3], seed=13)
+        want = [page_bytes(pool, p).clone() for p in (1, 2, 3)]
+        hashes = page_hashes(3, "st")
+        assert offload_and_commit(lk, hashes, [1, 2, 3]) is True
+        assert lk._staging.free_slots == free_before
+        fill_pages(pool, [1, 2, 3], seed=14)
+        handle = lk.prepare_request(LinkerRequestContext("st"), kv_transfer(hashes))
+        wait_until(lambda: lk.preparation_ready(handle), what="prepare")
+        assert restore(lk, "st", hashes, [20, 21, 22]) is True
+        for original, page in zip(want, (20, 21, 22)):
+            assert torch.equal(page_bytes(pool, page), original)
+    finally:
+        lk.close()
+
+
+def test_full_staging_area_fails_the_offload_in_fifo_order(pool):
+    """No free staging slots: the offload is accepted and completes False, in order."""
+    page_total = LAYERS * 2 * PAGE * HEADS * DIM * 2
+    lk = make_linker(pool, offload_path="staged", max_inflight_offload_bytes=page_total)
+    try:
+        assert lk._staging.pages == 1
+        fill_pages(pool, [1, 2], seed=15)
+        assert lk.offload(kv_transfer(page_hashes(2, "big"), [1, 2])) is True
+        assert lk.offload(kv_transfer(page_hashes(1, "ok"), [1])) is True
+        wait_until(lambda: lk.num_completed_offloads() == 2, what="both results")
+        assert [lk.pop_completed_offload(), lk.pop_completed_offload()] == [False, True]
+        assert lk.stats.offload_staging_full == 1
+    finally:
+        lk.close()

@@ -27,6 +27,7 @@ LINKER_MODULE_PATH = "sglang.srt.mem_cache.storage.kvcr.kvcr_direct_linker"
 
 _MIB = 1 << 20
 _EVICTION_POLICIES = ("lru", "fifo")
+_OFFLOAD_PATHS = ("auto", "staged", "direct")
 
 
 def _doc(text: str) -> dict[str, str]:
@@ -122,6 +123,14 @@ class KVCRLinkerConfig:
             "idle KVCR; off, KVCR's own progress loop drives NIXL without spinning."
         ),
     )
+    offload_path: str = dataclasses.field(
+        default="auto",
+        metadata=_doc(
+            "How offloads reach KVCR: 'staged' copies pages into a pinned host "
+            "staging area (max_inflight_offload_bytes of it) and deposits from there; "
+            "'direct' lets KVCR read the pool itself; 'auto' stages GPU pools only."
+        ),
+    )
     eviction_policy: str = dataclasses.field(
         default="lru",
         metadata=_doc("KVCR DRAM eviction policy: 'lru' or 'fifo'."),
@@ -156,6 +165,8 @@ class KVCRLinkerConfig:
             raise _error("owner_wait_timeout_s", "must be in (0, 3600] seconds")
         if not isinstance(self.nixl_progress_thread, bool):
             raise _error("nixl_progress_thread", "must be true or false")
+        if self.offload_path not in _OFFLOAD_PATHS:
+            raise _error("offload_path", f"must be one of {list(_OFFLOAD_PATHS)}")
         if self.eviction_policy not in _EVICTION_POLICIES:
             raise _error(
                 "eviction_policy", f"must be one of {list(_EVICTION_POLICIES)}"

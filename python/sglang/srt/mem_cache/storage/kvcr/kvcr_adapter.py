@@ -241,6 +241,14 @@ class KVCRAdapter:
                 return
         self._commands.put(command)
 
+    def fail_op(self, command: Deposit | Fetch) -> None:
+        """Complete a command that never reached KVCR as FAILED (e.g. a staging
+        copy raised); safe from any thread."""
+        kind = OpKind.DEPOSIT if isinstance(command, Deposit) else OpKind.FETCH
+        keys = command.blocks if isinstance(command, Deposit) else command.keys
+        failed = EntryResult(EntryStatus.FAILED)
+        self._results.put(OpDone(command.op_id, kind, dict.fromkeys(keys, failed)))
+
     def drain(self) -> list[OpDone | InventoryChange]:
         """Every result produced since the last drain, in production order."""
         self._raise_if_failed()

@@ -53,6 +53,7 @@ from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
     LinkerRequestContext,
     PreparationHooks,
 )
+from sglang.srt.mem_cache.storage.kvcr.offload_staging import HostStaging, StageJob
 from sglang.srt.mem_cache.storage.kvcr.router_hint import (
     EndpointAllowlist,
     RouterHintParser,
@@ -122,6 +123,7 @@ class LinkerStats:
     prepared_pages: int = 0
     prepare_deadline_expired: int = 0
     late_claims_released: int = 0
+    offload_staging_full: int = 0
     refused_abandoned: int = 0
     evicted_pages: int = 0
 
@@ -179,10 +181,15 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             for pool in self.layout.pools
         }
         self._agent = ""
+        self._staging = self._make_staging()
         self._factory_args: dict[str, Any] = {
             "agent_name": self._agent,
             "pool_layouts": self.layout.kvcr_pool_layouts(),
-            "framework_regions": self.layout.region_descriptors(),
+            "framework_regions": (
+                self._staging.region_descriptors()
+                if self._staging is not None
+                else self.layout.region_descriptors()
+            ),
             "local_dram_pools": self.layout.local_dram_regions(
                 list(self._storage.values())
             ),
@@ -212,6 +219,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self._resident: set[bytes] = set()
         self._removed_hashes: list[str] = []
         self._queued_loads: dict[str, _LoadJob] = {}
+        self._staged_slots: dict[int, tuple[int, ...]] = {}  # deposit op -> slots
         self._batches: dict[int, list[_LoadJob]] = {}
         self._last_stats_log = time.monotonic()
         self._adapter = self._start_adapter()
@@ -232,6 +240,16 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
 
     # ---- lifecycle ---------------------------------------------------------------
 
+    def _make_staging(self) -> HostStaging | None:
+        path = self.config.offload_path
+        if path == "direct" or (path == "auto" and not self._is_cuda):
+            return None
+        page_total = sum(p.page_bytes * len(p.spans) for p in self.layout.pools)
+        pages = max(
+            1, min(self.config.max_inflight_offload_bytes // page_total, 1 << 16)
+        )
+        return HostStaging(self.layout.pools, self._dest_rows, pages, pin=self._is_cuda)
+
     def _start_adapter(self) -> KVCRAdapter:
         # A fresh NIXL agent name per KVCR incarnation: peers and this process may
         # still remember the previous one after a flush.
@@ -251,8 +269,14 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
     def reset(self) -> None:
         """Flush: drop every claim and preparation and rebuild an empty KVCR."""
         self._quiesce_loads()
+        if self._staging is not None:
+            self._staging.wait_idle(self.config.owner_wait_timeout_s)
         self._release_all()
         self._adapter.close()
+        if self._staging is not None:
+            for slots in self._staged_slots.values():
+                self._staging.free(slots)
+        self._staged_slots.clear()
         self._resident.clear()
         self._removed_hashes.clear()
         self._offload_pending.clear()
@@ -268,6 +292,8 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self._quiesce_loads()
         self._loader_jobs.put(None)
         self._loader.join(self.config.owner_wait_timeout_s)
+        if self._staging is not None:
+            self._staging.close(self.config.owner_wait_timeout_s)
         self._release_all()
         self._log_stats(force=True)
         self._adapter.close()
@@ -314,6 +340,9 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
 
     def _on_offload_done(self, done: OpDone) -> None:
         record = self._offload_pending.pop(done.op_id, None)
+        slots = self._staged_slots.pop(done.op_id, None)
+        if slots is not None and self._staging is not None:
+            self._staging.free(slots)
         if record is None:
             return
         ok = all(e.status is EntryStatus.SUCCESS for e in done.entries.values())
@@ -587,22 +616,49 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         if kv is None or not kv.keys:
             record[1] = False
             return True
-        if self._is_cuda:
-            for event in self.record_offload_ready():
-                event.synchronize()
+        pages = [
+            int(kv.device_indices[i * self.page_size]) // self.page_size
+            for i in range(len(kv.keys))
+        ]
+        staging = self._staging
+        slots = staging.alloc(len(pages)) if staging is not None else None
+        if staging is not None and slots is None:
+            self.stats.offload_staging_full += 1
+            record[1] = False  # backpressure: the staging area is full
+            return True
         blocks: dict[bytes, list[Any]] = {}
         nbytes = 0
         for i, page_hash in enumerate(kv.keys):
-            page = int(kv.device_indices[i * self.page_size]) // self.page_size
             for pool in self.layout.pools:
                 key = self.layout.block_key(page_hash, pool.name)
-                blocks[key] = pool.memory_refs(self._agent, page)
+                blocks[key] = (
+                    staging.memory_refs(self._agent, pool, slots[i])
+                    if staging is not None and slots is not None
+                    else pool.memory_refs(self._agent, pages[i])
+                )
                 nbytes += pool.page_bytes * len(pool.part_labels)
         self.stats.offload_pages += len(kv.keys)
         op_id = self._adapter.next_op_id()
         record[0] = op_id
         self._offload_pending[op_id] = record
-        self._adapter.submit(Deposit(op_id=op_id, blocks=blocks, nbytes=nbytes))
+        deposit = Deposit(op_id=op_id, blocks=blocks, nbytes=nbytes)
+        events = tuple(self.record_offload_ready()) if self._is_cuda else ()
+        if staging is None or slots is None:
+            for event in events:
+                event.synchronize()
+            self._adapter.submit(deposit)
+            return True
+        self._staged_slots[op_id] = slots
+        adapter = self._adapter  # the incarnation these slots' deposit belongs to
+        staging.stage(
+            StageJob(
+                device_pages=tuple(pages),
+                slots=slots,
+                events=events,
+                submit=lambda: adapter.submit(deposit),
+                fail=lambda exc: adapter.fail_op(deposit),
+            )
+        )
         return True
 
     def num_completed_offloads(self) -> int:
@@ -672,6 +728,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             f"hit_pages={s.hit_pages} loads={s.loads} load_pages={s.load_pages} "
             f"load_failures={s.load_failures} offloads={s.offloads} "
             f"offload_pages={s.offload_pages} offload_failures={s.offload_failures} "
+            f"staging_full={s.offload_staging_full} "
             f"prepared={s.prepared} prepared_pages={s.prepared_pages} "
             f"deadline_expired={s.prepare_deadline_expired} "
             f"evicted_pages={s.evicted_pages} "
