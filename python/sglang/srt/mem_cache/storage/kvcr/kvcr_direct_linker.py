@@ -222,7 +222,12 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self._staged_slots: dict[int, tuple[int, ...]] = {}  # deposit op -> slots
         self._batches: dict[int, list[_LoadJob]] = {}
         self._last_stats_log = time.monotonic()
-        self._adapter = self._start_adapter()
+        try:
+            self._adapter = self._start_adapter()
+        except BaseException:
+            if self._staging is not None:
+                self._staging.close(cfg.owner_wait_timeout_s)
+            raise
         self._loader_jobs: queue.SimpleQueue[tuple[int, list[_LoadJob]] | None] = (
             queue.SimpleQueue()
         )
