@@ -30,3 +30,34 @@ if str(HARNESS_PATH) not in sys.path:
     sys.path.insert(0, str(HARNESS_PATH))
 if str(REPO / "test") not in sys.path:
     sys.path.insert(0, str(REPO / "test"))
+
+
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+
+_OURS = ("kvcr",)  # owner, loader, stager threads and KVCR's own progress thread
+
+
+def _kvcr_threads() -> set[threading.Thread]:
+    return {
+        t
+        for t in threading.enumerate()
+        if t.is_alive() and t.name.lower().startswith(_OURS)
+    }
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_kvcr_threads(request):
+    """Fail any test that leaves a KVCR instance or one of our threads alive."""
+    before = _kvcr_threads()
+    yield
+    if request.node.get_closest_marker("leaks_kvcr"):
+        return
+    deadline = time.monotonic() + 10.0
+    leaked = _kvcr_threads() - before
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.05)
+        leaked = {t for t in leaked if t.is_alive()}
+    assert not leaked, f"test left KVCR threads alive: {sorted(t.name for t in leaked)}"

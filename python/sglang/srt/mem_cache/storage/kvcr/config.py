@@ -180,8 +180,16 @@ class KVCRLinkerConfig:
             )
         for name in ("control_bind_host", "control_advertise_host"):
             value = getattr(self, name)
-            if not isinstance(value, str) or any(c.isspace() for c in value):
-                raise _error(name, "must be a host name or IP address without spaces")
+            if (
+                not isinstance(value, str)
+                or any(c.isspace() for c in value)
+                or not value.isprintable()
+            ):
+                raise _error(
+                    name,
+                    "must be a host name or IP address without spaces or "
+                    "control characters",
+                )
         if not self.control_bind_host:
             raise _error("control_bind_host", "must not be empty")
         if _is_wildcard(self.control_bind_host) and not self.control_advertise_host:
@@ -248,6 +256,11 @@ class KVCRLinkerConfig:
                 raise KVCRConfigError(
                     f"{FLAG}: not valid JSON ({exc}); pass a JSON object"
                 ) from None
+            except RecursionError:
+                raise KVCRConfigError(
+                    f"{FLAG}: not valid JSON (nested too deeply); pass a flat "
+                    f"JSON object"
+                ) from None
         if raw is None:
             raw = {}
         if backend == "dynamic" and isinstance(raw, Mapping):
@@ -265,10 +278,18 @@ def parse_allowlist_entry(entry: str) -> tuple[ipaddress._BaseNetwork | str, int
     text = entry.strip()
     port_lo, port_hi = 0, 65535
     host = text
-    if text.startswith("["):  # [v6]:port
-        host, _, rest = text[1:].partition("]")
+    if text.startswith("["):  # [v6]:port or [v6/len]:port
+        host, bracket, rest = text[1:].partition("]")
         if rest.startswith(":"):
             port_lo, port_hi = _parse_ports(entry, rest[1:])
+        elif rest or not bracket:
+            # Anything else after ']' (e.g. '[fd00::]/64:7000') would otherwise be
+            # dropped silently, and with it the entry's port restriction.
+            raise _error(
+                "peer_endpoint_allowlist",
+                f"entry {entry!r} must be '[address or CIDR]' optionally followed "
+                f"by ':port' or ':lo-hi', e.g. '[fd00::/64]:7000'",
+            )
     elif text.count(":") == 1:
         host, _, ports = text.partition(":")
         port_lo, port_hi = _parse_ports(entry, ports)
@@ -309,10 +330,25 @@ def _require_int(
 ) -> None:
     value: Any = getattr(cfg, name)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _error(name, f"must be an integer, got {value!r}")
+        raise _error(name, f"must be an integer, got {_show(value)}")
     if value < minimum or (maximum is not None and value > maximum):
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise _error(name, f"must be {bound}, got {value}")
+        raise _error(name, f"must be {bound}, got {_show(value)}")
+
+
+def _show(value: object) -> str:
+    """A short one-line rendering of a bad value for an error message.
+
+    ``repr`` of an int past Python's str-conversion digit limit (or a container
+    holding one) raises ValueError, which must not escape the config parser.
+    """
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):
+        return f"a {type(value).__name__}"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _error(name: str, problem: str) -> KVCRConfigError:

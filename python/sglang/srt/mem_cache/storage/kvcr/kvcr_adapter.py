@@ -203,7 +203,7 @@ class KVCRAdapter:
         self.endpoint = ""  # peer control endpoint, set once KVCR is up
         started: Future[None] = Future()
         self._thread = threading.Thread(
-            target=self._run, args=(factory, started), name=f"{name}-owner", daemon=True
+            target=self._run, args=(factory, started), name=f"kvcr-owner-{name}", daemon=True
         )
         self._thread.start()
         try:
