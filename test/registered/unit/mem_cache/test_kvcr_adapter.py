@@ -58,8 +58,8 @@ def _make(fw: torch.Tensor, store: torch.Tensor, name: str, *, offload_budget=1 
         control_bind_host="127.0.0.1",
         control_advertise_host="127.0.0.1",
         control_port=0,
-        operation_timeout_ms=500,
-        abandon_timeout_ms=1000,
+        operation_timeout_ms=5000,
+        abandon_timeout_ms=10000,
         eviction_policy="lru",
         nixl_progress_thread=False,
     )

@@ -52,8 +52,8 @@ def make_pool():
 def make_linker(pool, draft_pools=(), **overrides):
     config = {
         "local_dram_bytes_per_worker": 64 * LAYERS * 2 * PAGE * HEADS * DIM * 2,
-        "operation_timeout_ms": 500,
-        "abandon_timeout_ms": 1000,
+        "operation_timeout_ms": 5000,  # generous: 2 loaded cores
+        "abandon_timeout_ms": 10000,
         "preparation_timeout_ms": 2000,
         **overrides,
     }
@@ -449,3 +449,85 @@ def test_full_staging_area_fails_the_offload_in_fifo_order(pool):
         assert lk.stats.offload_staging_full == 1
     finally:
         lk.close()
+
+
+def _stall_owner(lk, gate):
+    """Park the owner thread on ``gate`` so submitted KVCR commands stay queued."""
+    entered = threading.Event()
+
+    def hold(_kv):
+        entered.set()
+        gate.wait(10)
+
+    t = threading.Thread(target=lambda: lk._adapter.call(hold, timeout_s=15))
+    t.start()
+    assert entered.wait(10)
+    return t
+
+
+def test_a_stale_attempt_never_satisfies_a_newer_one(pool, linker):
+    """Attempt 0's late fetch results are released, never credited to attempt 1."""
+    fill_pages(pool, [1, 2], seed=16)
+    old, new = page_hashes(2, "old"), page_hashes(2, "new")
+    assert offload_and_commit(linker, old, [1, 2]) is True
+    gate = threading.Event()
+    stall = _stall_owner(linker, gate)
+    try:
+        linker.prepare_request(LinkerRequestContext("r", 0), kv_transfer(old))
+        h1 = linker.prepare_request(LinkerRequestContext("r", 1), kv_transfer(new))
+    finally:
+        gate.set()
+        stall.join(15)
+    wait_until(lambda: linker.preparation_ready(h1), what="attempt 1 ready")
+    wait_until(
+        lambda: (linker._pump(), linker.stats.late_claims_released == 2)[1],
+        what="attempt 0 claims released",
+    )
+    assert linker.lookup("r", kv_transfer(old)) == []
+    assert linker.claims_held() == 0
+
+
+def test_a_failed_restore_copy_fails_the_batch_and_stops_new_restores(pool, linker):
+    """A copy error fails the counter (finish False), releases claims, disables hits."""
+    fill_pages(pool, [1, 2], seed=17)
+    hashes = page_hashes(2, "cf")
+    assert offload_and_commit(linker, hashes, [1, 2]) is True
+    handle = linker.prepare_request(LinkerRequestContext("cf"), kv_transfer(hashes))
+    wait_until(lambda: linker.preparation_ready(handle), what="prepare")
+    assert linker.lookup("cf", kv_transfer(hashes)) == [1, 2]
+
+    def broken(index, jobs):
+        raise RuntimeError("injected copy failure at layer 1")
+
+    linker._copy_batch = broken  # a device copy cannot be made to fail for real here
+    released = linker._adapter.stats().claims_released
+    assert restore(linker, "cf", hashes, [30, 31]) is False
+    wait_until(
+        lambda: linker._adapter.stats().claims_released - released == 2,
+        what="claims released after the failed restore",
+    )
+    handle = linker.prepare_request(LinkerRequestContext("cf2"), kv_transfer(hashes))
+    wait_until(lambda: linker.preparation_ready(handle), what="prepare")
+    assert linker.lookup("cf2", kv_transfer(hashes)) == []
+    assert linker.stats.miss_restore_disabled == 1
+    linker.release_request("cf2")
+
+
+def test_unquiescent_core_at_reset_keeps_its_dram_quarantined(pool, linker):
+    """If KVCR cannot prove quiescence, its DRAM is never reused by the new core."""
+    old = {name: t for name, t in linker._storage.items()}
+    real_close = linker._adapter.close
+
+    def unquiescent_close(timeout_s=None):
+        real_close(timeout_s)
+        return False  # what a dead peer's quarantined operation makes close() report
+
+    linker._adapter.close = unquiescent_close
+    linker.reset()
+    assert linker.quarantined_bytes() == sum(t.numel() for t in old.values())
+    for name, tensor in old.items():
+        assert linker._storage[name].data_ptr() != tensor.data_ptr()
+    assert "quarantined_bytes=" in linker.stats_line()
+    # The new core works on its fresh DRAM.
+    fill_pages(pool, [3], seed=18)
+    assert offload_and_commit(linker, page_hashes(1, "q"), [3]) is True

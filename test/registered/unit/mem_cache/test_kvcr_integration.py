@@ -42,8 +42,8 @@ POOL_TOKENS = 64 * PAGE
 PAGE_BYTES = LAYERS * 2 * PAGE * HEADS * DIM * 2
 KVCR_CONFIG = {
     "local_dram_bytes_per_worker": 4 * 1024 * 1024,
-    "operation_timeout_ms": 500,
-    "abandon_timeout_ms": 1000,
+    "operation_timeout_ms": 5000,  # generous: 2 loaded cores
+    "abandon_timeout_ms": 10000,
     # Far past any stall below: readiness must come from landed pages.
     "preparation_timeout_ms": 10_000,
 }

@@ -59,8 +59,8 @@ def _free_port() -> int:
 def _linker_config(rank: int) -> dict[str, Any]:
     config: dict[str, Any] = {
         "local_dram_bytes_per_worker": 32 * PAGE_DEPOSIT_BYTES,
-        "operation_timeout_ms": 500,
-        "abandon_timeout_ms": 1000,
+        "operation_timeout_ms": 5000,
+        "abandon_timeout_ms": 10000,
         "preparation_timeout_ms": 2000,
     }
     if rank == REFUSING_RANK:

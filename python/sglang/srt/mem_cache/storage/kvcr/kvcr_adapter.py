@@ -201,9 +201,13 @@ class KVCRAdapter:
         self._inflight: dict[int, _Inflight] = {}
         self._pins = _NoPinFramework()
         self.endpoint = ""  # peer control endpoint, set once KVCR is up
+        self._clean_close = True
         started: Future[None] = Future()
         self._thread = threading.Thread(
-            target=self._run, args=(factory, started), name=f"kvcr-owner-{name}", daemon=True
+            target=self._run,
+            args=(factory, started),
+            name=f"kvcr-owner-{name}",
+            daemon=True,
         )
         self._thread.start()
         try:
@@ -215,7 +219,9 @@ class KVCRAdapter:
                 "(owner_wait_timeout_s); check host DRAM size and UCX settings"
             ) from None
         except Exception as exc:
-            raise KVCRUnavailableError(f"KVCR failed to start: {exc}") from exc
+            raise KVCRUnavailableError(
+                f"KVCR failed to start: {exc}{_startup_remedy(str(exc))}"
+            ) from exc
 
     # ---- scheduler-thread API -------------------------------------------------
 
@@ -286,8 +292,12 @@ class KVCRAdapter:
         with self._stats_lock:
             return dataclasses.replace(self._stats)
 
-    def close(self, timeout_s: float | None = None) -> None:
-        """Stop the owner thread and close the KVCR, both bounded."""
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Stop the owner thread and close the KVCR, both bounded.
+
+        Returns False when KVCR could not prove quiescence: its DRAM may still be
+        written by a transfer and must stay quarantined (never reused or freed).
+        """
         timeout = self._limits.wait_timeout_s if timeout_s is None else timeout_s
         if self._thread.is_alive():
             self._commands.put(_STOP)
@@ -296,6 +306,7 @@ class KVCRAdapter:
             raise KVCRTimeoutError(f"KVCR owner thread still alive after {timeout} s")
         if self._failure is not None and not isinstance(self._failure, _ClosedError):
             raise KVCRAdapterFailed("KVCR owner thread failed") from self._failure
+        return self._clean_close
 
     # ---- budget ------------------------------------------------------------------
 
@@ -476,7 +487,22 @@ class KVCRAdapter:
                 # kvcr keeps backend resources alive when a peer left an operation
                 # unresolved; they stay referenced until the process exits.
                 _RETAINED.append(kv)
+                self._clean_close = False
                 logger.exception("KVCR close was not clean; resources retained")
+
+
+def _startup_remedy(message: str) -> str:
+    """A hint for the startup failures whose fix lies outside this package."""
+    if "ibv_reg_mr" in message or "Bad address" in message:
+        return (
+            "; UCX could not register GPU memory for RDMA (no GPUDirect RDMA): load "
+            "nvidia_peermem, or for same-node use set UCX_TLS=tcp,cuda_copy,cuda_ipc"
+        )
+    if "UCX" in message and ("not found" in message or "NOT_FOUND" in message):
+        return "; the NIXL UCX backend is missing: reinstall nixl==1.5.0 (nixl-cu12/13)"
+    if "Address already in use" in message:
+        return "; control_port (+ attention rank) is taken: pick a free control_port"
+    return ""
 
 
 class _ClosedError(Exception):

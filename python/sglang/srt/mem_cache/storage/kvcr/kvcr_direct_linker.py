@@ -81,6 +81,7 @@ class Preparation:
     page_hashes: list[str]
     deadline: float
     state: PrepState = PrepState.FETCHING
+    started: float = dataclasses.field(default_factory=time.monotonic)
     pending_ops: set[int] = dataclasses.field(default_factory=set)
     # page index -> {pool name: (claim, slot element index per part)}
     landed: dict[int, dict[str, tuple[int, tuple[int, ...]]]] = dataclasses.field(
@@ -123,6 +124,14 @@ class LinkerStats:
     prepared_pages: int = 0
     prepare_deadline_expired: int = 0
     late_claims_released: int = 0
+    miss_prefix_moved: int = 0
+    miss_unclaimed: int = 0
+    miss_restore_disabled: int = 0
+    offloaded_bytes: int = 0
+    restored_bytes: int = 0
+    prepare_ms_total: float = 0.0
+    prepare_ms_max: float = 0.0
+    prepare_done: int = 0
     offload_staging_full: int = 0
     refused_abandoned: int = 0
     evicted_pages: int = 0
@@ -220,6 +229,8 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self._removed_hashes: list[str] = []
         self._queued_loads: dict[str, _LoadJob] = {}
         self._staged_slots: dict[int, tuple[int, ...]] = {}  # deposit op -> slots
+        self._quarantined: list[torch.Tensor] = []  # DRAM of non-quiescent cores
+        self._restore_failed = False  # a failed copy stops new restores
         self._batches: dict[int, list[_LoadJob]] = {}
         self._last_stats_log = time.monotonic()
         try:
@@ -277,7 +288,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         if self._staging is not None:
             self._staging.wait_idle(self.config.owner_wait_timeout_s)
         self._release_all()
-        self._adapter.close()
+        clean = self._adapter.close()
         if self._staging is not None:
             for slots in self._staged_slots.values():
                 self._staging.free(slots)
@@ -285,11 +296,26 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self._resident.clear()
         self._removed_hashes.clear()
         self._offload_pending.clear()
+        if not clean:
+            # A transfer may still write the old DRAM: quarantine it with its core
+            # and give the new KVCR fresh memory.
+            self._quarantined.extend(self._storage.values())
+            self._storage = {
+                name: torch.zeros_like(t) for name, t in self._storage.items()
+            }
+            self._factory_args["local_dram_pools"] = self.layout.local_dram_regions(
+                list(self._storage.values())
+            )
+            logger.error(
+                "KVCR reset: old core not quiescent; %d bytes quarantined",
+                self.quarantined_bytes(),
+            )
+        else:
+            for storage in self._storage.values():
+                storage.zero_()
         # The wrapper fails its own pending offloads on reset; results queued here
         # would otherwise pair with the next offloads by position.
         self._offload_fifo.clear()
-        for storage in self._storage.values():
-            storage.zero_()
         self._adapter = self._start_adapter()
         logger.info("KVCR linker reset: residency cleared, endpoint=%s", self.endpoint)
 
@@ -352,6 +378,8 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             return
         ok = all(e.status is EntryStatus.SUCCESS for e in done.entries.values())
         record[1] = ok
+        if ok:
+            self.stats.offloaded_bytes += record[2]
         if not ok:
             self.stats.offload_failures += 1
 
@@ -394,7 +422,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
                     len(prep.pending_ops),
                 )
             if not prep.pending_ops:
-                prep.state = PrepState.READY
+                self._mark_ready(prep)
         if late:
             self.stats.late_claims_released += len(late)
             self._adapter.submit(Release(tuple(late)))
@@ -472,6 +500,14 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self._pump()
         return ctx.handle
 
+    def _mark_ready(self, prep: Preparation) -> None:
+        if prep.state is PrepState.FETCHING:
+            waited_ms = (time.monotonic() - prep.started) * 1000.0
+            self.stats.prepare_done += 1
+            self.stats.prepare_ms_total += waited_ms
+            self.stats.prepare_ms_max = max(self.stats.prepare_ms_max, waited_ms)
+        prep.state = PrepState.READY
+
     def preparation_ready(self, handle: Any) -> bool:
         self._pump()
         rid = str(handle).rsplit("#", 1)[0]
@@ -480,7 +516,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             return True
         if time.monotonic() >= prep.deadline:
             self.stats.prepare_deadline_expired += 1
-            prep.state = PrepState.READY  # late completions still land or release
+            self._mark_ready(prep)  # late completions still land or release
             return True
         return False
 
@@ -524,6 +560,9 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         page_hashes = _kv_keys(transfers)
         if not page_hashes:
             return []
+        if self._restore_failed:
+            self.stats.miss_restore_disabled += 1
+            return []
         prep = self._preps.get(rid)
         if prep is None:
             first = self.layout.block_key(page_hashes[0], self.layout.pools[0].name)
@@ -540,9 +579,12 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
                 self._pump()
         start = self._page_index(prep, page_hashes[0])
         if start is None:  # the device prefix moved past what was prepared
+            self.stats.miss_prefix_moved += 1
             self._drop_prep(prep)
             return []
         n = min(prep.claimed_prefix(start, len(self.layout.pools)), len(page_hashes))
+        if n == 0:
+            self.stats.miss_unclaimed += 1
         self.stats.hit_pages += n
         return list(range(1, n + 1))
 
@@ -598,6 +640,11 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         if jobs is None:
             return True
         ok = bool(self.layer_done_counter.finish(counter_index))
+        if ok:
+            page_total = sum(p.page_bytes * len(p.spans) for p in self.layout.pools)
+            self.stats.restored_bytes += page_total * sum(
+                len(job.dest_pages) for job in jobs if job.complete
+            )
         claims = [c for job in jobs for c in job.claims]
         if claims:
             self._adapter.submit(Release(tuple(claims)))
@@ -614,7 +661,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
     def offload(
         self, transfers: list[PoolTransfer], session_id: str | None = None
     ) -> bool:
-        record: list[Any] = [None, None]  # [op id, result]
+        record: list[Any] = [None, None, 0]  # [op id, result, bytes]
         self._offload_fifo.append(record)
         self.stats.offloads += 1
         kv = next((t for t in transfers if t.name == PoolName.KV), None)
@@ -644,7 +691,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
                 nbytes += pool.page_bytes * len(pool.part_labels)
         self.stats.offload_pages += len(kv.keys)
         op_id = self._adapter.next_op_id()
-        record[0] = op_id
+        record[0], record[2] = op_id, nbytes
         self._offload_pending[op_id] = record
         deposit = Deposit(op_id=op_id, blocks=blocks, nbytes=nbytes)
         events = tuple(self.record_offload_ready()) if self._is_cuda else ()
@@ -690,7 +737,10 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             try:
                 self._copy_batch(index, jobs)
             except BaseException as exc:
-                logger.exception("KVCR restore copy failed")
+                logger.exception(
+                    "KVCR restore copy failed; no new restores until restart"
+                )
+                self._restore_failed = True
                 self.layer_done_counter.fail(index, exc)
 
     def _copy_batch(self, index: int, jobs: list[_LoadJob]) -> None:
@@ -734,6 +784,12 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             f"load_failures={s.load_failures} offloads={s.offloads} "
             f"offload_pages={s.offload_pages} offload_failures={s.offload_failures} "
             f"staging_full={s.offload_staging_full} "
+            f"misses={{prefix_moved: {s.miss_prefix_moved}, unclaimed: "
+            f"{s.miss_unclaimed}, restore_disabled: {s.miss_restore_disabled}}} "
+            f"offloaded_bytes={s.offloaded_bytes} restored_bytes={s.restored_bytes} "
+            f"prepare_wait_ms_avg={s.prepare_ms_total / max(1, s.prepare_done):.2f} "
+            f"prepare_wait_ms_max={s.prepare_ms_max:.2f} "
+            f"quarantined_bytes={self.quarantined_bytes()} "
             f"prepared={s.prepared} prepared_pages={s.prepared_pages} "
             f"deadline_expired={s.prepare_deadline_expired} "
             f"evicted_pages={s.evicted_pages} "
@@ -751,6 +807,9 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         if force or now - self._last_stats_log >= _STATS_LOG_PERIOD_S:
             self._last_stats_log = now
             logger.info("%s", self.stats_line())
+
+    def quarantined_bytes(self) -> int:
+        return sum(t.numel() for t in self._quarantined)
 
     def claims_held(self) -> int:
         return sum(len(p.claims()) for p in self._preps.values())

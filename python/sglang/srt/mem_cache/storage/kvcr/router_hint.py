@@ -249,7 +249,11 @@ def _host(text: str, v6: bool) -> str:
     try:
         if v6 or _IPV4.fullmatch(text):
             addr = ipaddress.IPv6Address(text) if v6 else ipaddress.IPv4Address(text)
-            return "" if addr.is_unspecified else f"[{addr}]" if v6 else str(addr)
+            # A zone id ('fe80::1%eth0') is free text that would reach KVCR, ZMQ
+            # and the logs verbatim; peers are named by address alone.
+            if addr.is_unspecified or (v6 and "%" in text):
+                return ""
+            return f"[{addr}]" if v6 else str(addr)
     except ValueError:
         return ""
     labels = text.lower().split(".")
