@@ -515,7 +515,7 @@ def test_a_failed_restore_copy_fails_the_batch_and_stops_new_restores(pool, link
 
 def test_unquiescent_core_at_reset_keeps_its_dram_quarantined(pool, linker):
     """If KVCR cannot prove quiescence, its DRAM is never reused by the new core."""
-    old = {name: t for name, t in linker._storage.items()}
+    old = dict(linker._storage)
     real_close = linker._adapter.close
 
     def unquiescent_close(timeout_s=None):
