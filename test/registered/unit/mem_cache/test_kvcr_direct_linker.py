@@ -531,3 +531,21 @@ def test_unquiescent_core_at_reset_keeps_its_dram_quarantined(pool, linker):
     # The new core works on its fresh DRAM.
     fill_pages(pool, [3], seed=18)
     assert offload_and_commit(linker, page_hashes(1, "q"), [3]) is True
+
+
+@pytest.mark.parametrize(
+    ("field", "flag"),
+    [
+        ("pp_size", "--pp-size"),
+        ("dcp_size", "--dcp-size"),
+        ("attn_cp_size", "--attn-cp-size"),
+    ],
+    ids=["pp", "dcp", "cp"],
+)
+def test_unsupported_parallel_layouts_are_refused_naming_the_flag(pool, field, flag):
+    """PP > 1 and token-splitting context parallelism fail at startup, flag named."""
+    from sglang.srt.mem_cache.storage.kvcr.plugin import refuse_unsupported_topology
+
+    with pytest.raises(KVCRConfigError, match=flag):
+        refuse_unsupported_topology(SimpleNamespace(**{field: 2}))
+    refuse_unsupported_topology(SimpleNamespace(**{field: 1}))

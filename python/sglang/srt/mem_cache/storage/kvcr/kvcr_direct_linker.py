@@ -54,6 +54,7 @@ from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
     PreparationHooks,
 )
 from sglang.srt.mem_cache.storage.kvcr.offload_staging import HostStaging, StageJob
+from sglang.srt.mem_cache.storage.kvcr.plugin import refuse_unsupported_topology
 from sglang.srt.mem_cache.storage.kvcr.router_hint import (
     EndpointAllowlist,
     RouterHintParser,
@@ -154,6 +155,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
     ) -> None:
         self.config = KVCRLinkerConfig.from_dict(extra_config or {})
         cfg = self.config
+        refuse_unsupported_topology(server_args)
         self.forward_stream = forward_stream
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
         self.page_size = int(params.page_size)

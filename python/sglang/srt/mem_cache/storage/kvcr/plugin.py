@@ -73,6 +73,30 @@ def uses_kvcr(backend: str, config: object) -> bool:
     )
 
 
+_UNSUPPORTED_TOPOLOGY = (
+    (
+        "pp_size",
+        "--pp-size",
+        "pipeline parallelism splits a page's layers across ranks",
+    ),
+    ("dcp_size", "--dcp-size", "decode context parallelism splits a page's tokens"),
+    ("attn_cp_size", "--attn-cp-size", "context parallelism splits a page's tokens"),
+)
+
+
+def refuse_unsupported_topology(server_args: Any) -> None:
+    """Refuse layouts whose pages the KVCR linker cannot describe, naming the flag."""
+    from sglang.srt.mem_cache.storage.kvcr.errors import KVCRConfigError
+
+    for field, flag, why in _UNSUPPORTED_TOPOLOGY:
+        value = getattr(server_args, field, 1) or 1
+        if value > 1:
+            raise KVCRConfigError(
+                f"{BACKEND_FLAG} kvcr does not support {flag} {value} ({why}); "
+                f"run with {flag} 1 or use another linker"
+            )
+
+
 def _after_handle_hicache(result: Any, server_args: Any) -> None:
     if not getattr(server_args, "enable_unified_cache_external_linker", False):
         return
@@ -80,6 +104,7 @@ def _after_handle_hicache(result: Any, server_args: Any) -> None:
     config = server_args.unified_cache_external_linker_config
     if uses_kvcr(backend, config):
         KVCRLinkerConfig.from_startup_config(backend, config)
+        refuse_unsupported_topology(server_args)
         from sglang.srt.mem_cache.storage.kvcr.integration import (
             ensure_python_tree_core,
         )
