@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import logging
 import os
 import re
 import sys
@@ -25,6 +26,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -79,6 +81,16 @@ class Counter:
             line["failures"] = self.failures
             with open(REPORT, "a") as fh:
                 fh.write(json.dumps(line) + "\n")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def quiet_hint_warnings():
+    """Every fresh parser warns once per reason; at 10,000 examples that is noise."""
+    hint_logger = logging.getLogger("sglang.srt.mem_cache.storage.kvcr.router_hint")
+    level = hint_logger.level
+    hint_logger.setLevel(logging.ERROR)
+    yield
+    hint_logger.setLevel(level)
 
 
 # ---- hostile values --------------------------------------------------------------
@@ -262,8 +274,23 @@ HOSTS = st.sampled_from(
     ]
 ) | st.text(max_size=12)
 PORTS = st.integers(min_value=-2, max_value=70000).map(str) | st.sampled_from(
-    ["4000", "5000", "5009", "5010", "6001", "6002", "7000", "05000", "+5000", " 5000",
-     "5000 ", "5_000", "\u0665\u0660\u0660\u0660", "", "0x1388"]
+    [
+        "4000",
+        "5000",
+        "5009",
+        "5010",
+        "6001",
+        "6002",
+        "7000",
+        "05000",
+        "+5000",
+        " 5000",
+        "5000 ",
+        "5_000",
+        "\u0665\u0660\u0660\u0660",
+        "",
+        "0x1388",
+    ]
 )
 ENDPOINTS = st.builds(
     lambda scheme, host, port, sep: f"{scheme}{host}{sep}{port}",
@@ -295,7 +322,9 @@ PAYLOADS = st.fixed_dictionaries(
 # Near-valid actions (cheap to draw: the oracle test runs these only).
 ACTIONS = st.fixed_dictionaries(
     {
-        "action_type": st.sampled_from(["kv.fetch", "kv.fetch", "KV.FETCH", "kv.store"]),
+        "action_type": st.sampled_from(
+            ["kv.fetch", "kv.fetch", "KV.FETCH", "kv.store"]
+        ),
         "action_version": st.sampled_from(["1.0", "1", "1.9", "2.0", "1.0.0", " 1.0"]),
         "payload": PAYLOADS,
     }
@@ -314,7 +343,9 @@ ENVELOPE_DICTS = st.fixed_dictionaries(
 )
 ENVELOPE_OBJECTS = ENVELOPE_DICTS.map(
     lambda env: SimpleNamespace(
-        actions=[SimpleNamespace(**a) if isinstance(a, dict) else a for a in env["actions"]]
+        actions=[
+            SimpleNamespace(**a) if isinstance(a, dict) else a for a in env["actions"]
+        ]
         if type(env["actions"]) is list
         else env["actions"]
     )
@@ -390,7 +421,9 @@ def _check_hostile(kv_hints: Any, rank_offset: int) -> None:
     assert hint is None or isinstance(hint, FetchHint)
     if hint is not None:
         assert parser.stats.accepted == 1
-        assert re.fullmatch(r"tcp://(\[[0-9a-f:.]+\]|[a-z0-9.\-]+):[0-9]{1,5}", hint.source_endpoint)
+        assert re.fullmatch(
+            r"tcp://(\[[0-9a-f:.]+\]|[a-z0-9.\-]+):[0-9]{1,5}", hint.source_endpoint
+        )
         assert 0 < int(hint.source_endpoint.rsplit(":", 1)[1]) <= 65535
         assert hint.block_hashes and all(0 <= h <= U64 for h in hint.block_hashes)
 
@@ -447,8 +480,24 @@ CONFIG_VALUES = (
     | st.none()
     | st.text(max_size=30)
     | st.sampled_from(
-        ["lru", "fifo", "auto", "staged", "direct", "0.0.0.0", "::", "*", "127.0.0.1",
-         "a b", "h\x00st", "10.0.0.0/8:1-2", "[::1]:5", "x:0", "x:9-1", "x:1-99999"]
+        [
+            "lru",
+            "fifo",
+            "auto",
+            "staged",
+            "direct",
+            "0.0.0.0",
+            "::",
+            "*",
+            "127.0.0.1",
+            "a b",
+            "h\x00st",
+            "10.0.0.0/8:1-2",
+            "[::1]:5",
+            "x:0",
+            "x:9-1",
+            "x:1-99999",
+        ]
     )
     | st.lists(
         st.text(max_size=20)
@@ -498,7 +547,10 @@ def _check_config(backend: str, raw: Any) -> None:
 
 
 @FUZZ
-@given(st.sampled_from(["kvcr", "dynamic", "mooncake", ""]) | st.text(max_size=8), CONFIG_INPUTS)
+@given(
+    st.sampled_from(["kvcr", "dynamic", "mooncake", ""]) | st.text(max_size=8),
+    CONFIG_INPUTS,
+)
 def test_config_parser_raises_only_the_one_line_config_error(backend, raw):
     """Whatever the flag holds, parsing returns a valid config or raises one
     KVCRConfigError line naming the flag; nothing else escapes."""
@@ -532,8 +584,15 @@ def test_ipv6_zone_id_in_a_hint_endpoint_is_rejected():
     """'[fd00::1%eth0]' parsed as an address and its free-text zone went to KVCR."""
     parser = RouterHintParser(EndpointAllowlist(["::/0"], "127.0.0.1"), rank_offset=0)
     for host in ("fd00::1%eth0", "fe80::1%1", "fd00::1%a\nb"):
-        payload = {"source_control_endpoint": f"tcp://[{host}]:5000", "block_hashes": [1]}
-        action = {"action_type": "kv.fetch", "action_version": "1.0", "payload": payload}
+        payload = {
+            "source_control_endpoint": f"tcp://[{host}]:5000",
+            "block_hashes": [1],
+        }
+        action = {
+            "action_type": "kv.fetch",
+            "action_version": "1.0",
+            "payload": payload,
+        }
         assert parser.parse({"actions": [action]}) is None
     assert parser.stats.rejected[HintRejection.BAD_ENDPOINT] == 3
 

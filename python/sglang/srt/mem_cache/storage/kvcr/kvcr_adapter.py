@@ -541,8 +541,14 @@ def make_kvcr_factory(
         from kvcr.control_channels import ZmqPeerControlChannel
         from kvcr.policy import FIFOPolicy, LRUPolicy
 
-        port = control_port or _free_port(control_bind_host)
-        control = ZmqPeerControlChannel(control_bind_host, port, control_advertise_host)
+        if control_port:
+            control = ZmqPeerControlChannel(
+                control_bind_host, control_port, control_advertise_host
+            )
+        else:
+            control = _channel_on_own_port(
+                ZmqPeerControlChannel, control_bind_host, control_advertise_host
+            )
         build.endpoint = str(control.endpoint)  # type: ignore[attr-defined]
         policy = LRUPolicy() if eviction_policy == "lru" else FIFOPolicy()
         try:
@@ -615,9 +621,21 @@ class _progress_thread_setting:
         _PROGRESS_LOCK.release()
 
 
-def _free_port(host: str) -> int:
+def _channel_on_own_port(channel_cls: Any, bind_host: str, advertise_host: str) -> Any:
+    """A control channel on a port the OS picks, bound before anyone can take it.
+
+    Picking a free port, closing it and letting the channel bind it later races
+    with every other process doing the same (KVCR startup then fails with
+    "Address already in use"); the channel adopts this listener instead.
+    """
     import socket
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host if host not in ("0.0.0.0", "") else "", 0))
-        return int(sock.getsockname()[1])
+    listener = socket.create_server((bind_host, 0))
+    try:
+        channel = channel_cls(bind_host, int(listener.getsockname()[1]), advertise_host)
+        channel.adopt_listener(listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the channel owns the descriptor now
+    return channel

@@ -227,6 +227,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self._abandoned: dict[int, int] = {}  # fetch op of a dropped prep -> bytes
         self._offload_fifo: collections.deque[list[Any]] = collections.deque()
         self._offload_pending: dict[int, list[Any]] = {}
+        self._deferred_deposits: list[Deposit] = []  # submitted by the next pump
         self._resident: set[bytes] = set()
         self._removed_hashes: list[str] = []
         self._queued_loads: dict[str, _LoadJob] = {}
@@ -287,6 +288,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
     def reset(self) -> None:
         """Flush: drop every claim and preparation and rebuild an empty KVCR."""
         self._quiesce_loads()
+        self._deferred_deposits.clear()  # the wrapper fails its pending offloads
         if self._staging is not None:
             self._staging.wait_idle(self.config.owner_wait_timeout_s)
         self._release_all()
@@ -323,6 +325,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
 
     def close(self) -> None:
         self._quiesce_loads()
+        self._deferred_deposits.clear()
         self._loader_jobs.put(None)
         self._loader.join(self.config.owner_wait_timeout_s)
         if self._staging is not None:
@@ -351,6 +354,10 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
     # ---- result routing --------------------------------------------------------
 
     def _pump(self) -> None:
+        if self._deferred_deposits:
+            deposits, self._deferred_deposits = self._deferred_deposits, []
+            for deposit in deposits:
+                self._adapter.submit(deposit)
         for item in self._adapter.drain():
             if isinstance(item, InventoryChange):
                 self._on_inventory(item)
@@ -700,7 +707,10 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         if staging is None or slots is None:
             for event in events:
                 event.synchronize()
-            self._adapter.submit(deposit)
+            # Submitted by the next pump (the scheduler's next step): submitted
+            # here, KVCR's deposit would run on the owner thread while this thread
+            # still streams the batch's output, stalling it on the GIL.
+            self._deferred_deposits.append(deposit)
             return True
         self._staged_slots[op_id] = slots
         adapter = self._adapter  # the incarnation these slots' deposit belongs to
@@ -757,10 +767,13 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
                 src_slots = [s for job in jobs for s in job.slots[pool.name]]
                 store = self._storage[pool.name].view(-1, pool.page_bytes)
                 for part in parts:
-                    src = torch.tensor([s[part] for s in src_slots], dtype=torch.long)
-                    dst = torch.tensor(dest_pages, dtype=torch.long)
+                    src_rows = [s[part] for s in src_slots]
                     target = self._dest_rows[pool.name][part]
-                    if stream is not None:
+                    if stream is None:
+                        _copy_rows(_wide(target), dest_pages, _wide(store), src_rows)
+                    else:
+                        src = torch.tensor(src_rows, dtype=torch.long)
+                        dst = torch.tensor(dest_pages, dtype=torch.long)
                         with torch.cuda.stream(stream):
                             target.index_copy_(
                                 0,
@@ -769,8 +782,6 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
                                     target.device, non_blocking=True
                                 ),
                             )
-                    else:
-                        target.index_copy_(0, dst, store.index_select(0, src))
             if stream is not None:
                 stream.synchronize()
             self.layer_done_counter.complete(index, layer)
@@ -815,6 +826,24 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
 
     def claims_held(self) -> int:
         return sum(len(p.claims()) for p in self._preps.values())
+
+
+def _wide(rows: torch.Tensor) -> torch.Tensor:
+    """The same bytes as 8-byte elements when rows allow: CPU index and copy
+    kernels move uint8 rows element by element, several times below memory speed."""
+    try:
+        return rows.view(torch.int64)
+    except RuntimeError:  # row size or offset not a multiple of 8
+        return rows
+
+
+def _copy_rows(
+    dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_rows: list[int]
+) -> None:
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` row by row: one pass, no temporary
+    (a gather into a temporary, then ``index_copy_``, moves every byte twice)."""
+    for d, s in zip(dst_rows, src_rows, strict=True):
+        dst[d].copy_(src[s])
 
 
 def _page_rows(tensor: torch.Tensor, page_size: int, page_bytes: int) -> torch.Tensor:
