@@ -1036,59 +1036,14 @@ def build_stack(**cfg: Any) -> Stack:
     the production way (``create_unified_cache_linker(backend="kvcr")``)."""
     from sglang.srt.plugins import load_plugins
 
-    load_plugins()  # before importing the factory: the plugin wraps it
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-    from sglang.srt.mem_cache.unified_cache.linker_factory import (
-        create_unified_cache_linker,
-    )
-    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+    load_plugins()  # before the factory is used: the plugin wraps it
+    from cpu_harness import kvcr_stack
 
     config = {**BASE_CONFIG, "preparation_timeout_ms": 10_000, **cfg}
-    server_args = ServerArgs(
-        model_path="dummy",
-        page_size=PAGE,
-        device="cpu",
-        enable_unified_cache_external_linker=True,
-        unified_cache_external_linker_backend="kvcr",
-        unified_cache_external_linker_config=config,
+    s = kvcr_stack.build_stack(
+        config, kvcr_stack.Geometry(PAGE, LAYERS, HEADS, DIM, POOL_TOKENS)
     )
-    set_global_server_args_for_scheduler(server_args)
-    kvcache = MHATokenToKVPool(
-        POOL_TOKENS,
-        PAGE,
-        torch.bfloat16,
-        HEADS,
-        DIM,
-        LAYERS,
-        device="cpu",
-        enable_memory_saver=False,
-    )
-    allocator = PagedTokenToKVPoolAllocator(
-        POOL_TOKENS, PAGE, torch.bfloat16, "cpu", kvcache, False
-    )
-    params = CacheInitParams(
-        disable=False,
-        req_to_token_pool=ReqToTokenPool(8, 512, "cpu", False),
-        token_to_kv_pool_allocator=allocator,
-        page_size=PAGE,
-        tree_components=(ComponentType.FULL,),
-        tree_core_backend="python",
-    )
-    cache = UnifiedRadixCache(params)
-    linker = create_unified_cache_linker(
-        server_args,
-        params,
-        backend="kvcr",
-        config=dict(config),
-        components=set(cache.components),
-    )
-    cache.init_cache_linker(linker)
-    kvcache.register_layer_transfer_counter(linker.layer_done_counter)
-    return Stack(cache, kvcache, allocator, linker)
+    return Stack(s.cache, s.kvcache, s.allocator, s.linker)
 
 
 # ---- 1b. peer processes ----------------------------------------------------------

@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 
+from cpu_harness import kvcr_stack
 from sglang.srt.mem_cache.storage.kvcr import integration
 from sglang.srt.mem_cache.storage.kvcr.errors import KVCRUnavailableError
 from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
@@ -48,6 +49,7 @@ KVCR_CONFIG = {
     "preparation_timeout_ms": 10_000,
 }
 WAIT_S = 10.0
+GEOMETRY = kvcr_stack.Geometry(PAGE, LAYERS, HEADS, DIM, POOL_TOKENS)
 
 
 # ---- stack ---------------------------------------------------------------------
@@ -73,59 +75,15 @@ def plugin_hooks() -> None:
 def build_cache(*, tree_core: str = "python", events: bool = False, **cfg: Any):
     """A real pool, allocator and UnifiedRadixCache; returns (cache, pool, allocator,
     server args, params, linker config)."""
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
-
-    config = {**KVCR_CONFIG, **cfg}
-    server_args = ServerArgs(
-        model_path="dummy",  # skips the HF config resolution
-        page_size=PAGE,
-        device="cpu",
-        enable_unified_cache_external_linker=True,
-        unified_cache_external_linker_backend="kvcr",
-        unified_cache_external_linker_config=config,
+    s = kvcr_stack.build_cache(
+        {**KVCR_CONFIG, **cfg}, GEOMETRY, tree_core=tree_core, events=events
     )
-    set_global_server_args_for_scheduler(server_args)
-    kvcache = MHATokenToKVPool(
-        POOL_TOKENS,
-        PAGE,
-        torch.bfloat16,
-        HEADS,
-        DIM,
-        LAYERS,
-        device="cpu",
-        enable_memory_saver=False,
-    )
-    allocator = PagedTokenToKVPoolAllocator(
-        POOL_TOKENS, PAGE, torch.bfloat16, "cpu", kvcache, False
-    )
-    params = CacheInitParams(
-        disable=False,
-        req_to_token_pool=ReqToTokenPool(8, 512, "cpu", False),
-        token_to_kv_pool_allocator=allocator,
-        page_size=PAGE,
-        tree_components=(ComponentType.FULL,),
-        enable_kv_cache_events=events,
-        tree_core_backend=tree_core,
-    )
-    return UnifiedRadixCache(params), kvcache, allocator, server_args, params, config
+    return s.cache, s.kvcache, s.allocator, s.server_args, s.params, s.config
 
 
 def create_linker(cache: Any, server_args: Any, params: Any, config: dict) -> Any:
-    from sglang.srt.mem_cache.unified_cache.linker_factory import (
-        create_unified_cache_linker,
-    )
-
-    return create_unified_cache_linker(
-        server_args,
-        params,
-        backend="kvcr",
-        config=dict(config),
-        components=set(cache.components),
+    return kvcr_stack.create_linker(
+        kvcr_stack.KVCRStack(cache, None, None, server_args, params, config)
     )
 
 

@@ -139,65 +139,14 @@ def _run_rank(rank: int, port: int) -> dict[str, Any]:
 
 
 def _build_cache(rank: int, group: Any) -> tuple[Any, Any, Any]:
-    import torch
-    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-    from sglang.srt.mem_cache.unified_cache.linker_factory import (
-        create_unified_cache_linker,
-    )
-    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-    from sglang.srt.server_args import (
-        ServerArgs,
-        set_global_server_args_for_scheduler,
-    )
+    from cpu_harness import kvcr_stack
 
-    config = _linker_config(rank)
-    # "dummy" skips SGLang's model resolution (no HF config is read).
-    server_args = ServerArgs(
-        model_path="dummy",
-        page_size=PAGE,
-        device="cpu",
-        enable_unified_cache_external_linker=True,
-        unified_cache_external_linker_backend="kvcr",
-        unified_cache_external_linker_config=config,
+    stack = kvcr_stack.build_stack(
+        _linker_config(rank),
+        kvcr_stack.Geometry(PAGE, LAYERS, HEADS, DIM, POOL_TOKENS),
+        group=group,
     )
-    set_global_server_args_for_scheduler(server_args)
-    pool = MHATokenToKVPool(
-        POOL_TOKENS,
-        PAGE,
-        torch.bfloat16,
-        HEADS,
-        DIM,
-        LAYERS,
-        device="cpu",
-        enable_memory_saver=False,
-    )
-    allocator = PagedTokenToKVPoolAllocator(
-        POOL_TOKENS, PAGE, torch.bfloat16, "cpu", pool, need_sort=False
-    )
-    params = CacheInitParams(
-        disable=False,
-        req_to_token_pool=ReqToTokenPool(8, 512, "cpu", False),
-        token_to_kv_pool_allocator=allocator,
-        page_size=PAGE,
-        tp_cache_group=group,
-        attn_tp_cache_group=group,
-        tree_components=(ComponentType.FULL,),
-        tree_core_backend="python",
-    )
-    cache = UnifiedRadixCache(params)
-    linker = create_unified_cache_linker(
-        server_args,
-        params,
-        backend="kvcr",
-        config=config,
-        components=set(cache.components),
-    )
-    cache.init_cache_linker(linker)
-    pool.register_layer_transfer_counter(cache.linker.layer_done_counter)
-    return cache, pool, allocator
+    return stack.cache, stack.kvcache, stack.allocator
 
 
 class _Req:

@@ -1,0 +1,124 @@
+"""A real SGLang cache stack on CPU with the KVCR linker, built the production way.
+
+Test and driver support only: a CPU ``MHATokenToKVPool``, a paged allocator, a
+``UnifiedRadixCache`` on the Python tree core, and a ``KVCRDirectLinker`` created
+through ``create_unified_cache_linker(backend="kvcr")`` (so the plugin's factory hook
+runs) and attached with ``init_cache_linker`` plus the layer-counter registration,
+as ``sglang/srt/mem_cache/registry.py`` does. Call ``load_plugins()`` first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    page: int = 4
+    layers: int = 2
+    heads: int = 2
+    dim: int = 8
+    pool_tokens: int = 256
+
+
+DEFAULT_GEOMETRY = Geometry()
+
+
+@dataclasses.dataclass
+class KVCRStack:
+    cache: Any
+    kvcache: Any
+    allocator: Any
+    server_args: Any
+    params: Any
+    config: dict[str, Any]
+    linker: Any = None
+
+
+def build_cache(
+    config: dict[str, Any],
+    geometry: Geometry = DEFAULT_GEOMETRY,
+    *,
+    tree_core: str = "python",
+    events: bool = False,
+    group: Any = None,
+) -> KVCRStack:
+    """Pool, allocator and cache with the server args published; no linker yet."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    g = geometry
+    server_args = ServerArgs(
+        model_path="dummy",  # skips SGLang's HF config resolution (offline)
+        page_size=g.page,
+        device="cpu",
+        enable_unified_cache_external_linker=True,
+        unified_cache_external_linker_backend="kvcr",
+        unified_cache_external_linker_config=dict(config),
+    )
+    set_global_server_args_for_scheduler(server_args)
+    kvcache = MHATokenToKVPool(
+        g.pool_tokens,
+        g.page,
+        torch.bfloat16,
+        g.heads,
+        g.dim,
+        g.layers,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    allocator = PagedTokenToKVPoolAllocator(
+        g.pool_tokens, g.page, torch.bfloat16, "cpu", kvcache, False
+    )
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=ReqToTokenPool(8, 512, "cpu", False),
+        token_to_kv_pool_allocator=allocator,
+        page_size=g.page,
+        tp_cache_group=group,
+        attn_tp_cache_group=group,
+        tree_components=(ComponentType.FULL,),
+        enable_kv_cache_events=events,
+        tree_core_backend=tree_core,
+    )
+    return KVCRStack(
+        UnifiedRadixCache(params), kvcache, allocator, server_args, params, config
+    )
+
+
+def create_linker(stack: KVCRStack) -> Any:
+    """The KVCR linker for ``stack`` through SGLang's factory (not attached)."""
+    from sglang.srt.mem_cache.unified_cache.linker_factory import (
+        create_unified_cache_linker,
+    )
+
+    return create_unified_cache_linker(
+        stack.server_args,
+        stack.params,
+        backend="kvcr",
+        config=dict(stack.config),
+        components=set(stack.cache.components),
+    )
+
+
+def attach(stack: KVCRStack, linker: Any) -> KVCRStack:
+    """Wire ``linker`` into the cache and the pool's layer counter."""
+    stack.cache.init_cache_linker(linker)
+    stack.kvcache.register_layer_transfer_counter(linker.layer_done_counter)
+    stack.linker = linker
+    return stack
+
+
+def build_stack(
+    config: dict[str, Any], geometry: Geometry = DEFAULT_GEOMETRY, **kwargs: Any
+) -> KVCRStack:
+    """A wired stack: cache + KVCR linker attached."""
+    stack = build_cache(config, geometry, **kwargs)
+    return attach(stack, create_linker(stack))
