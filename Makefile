@@ -35,6 +35,12 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(PY) test/manual/kvcr_direct_linker/kvcr_validate.py
 
+faults: $(STAMP)
+	$(PY) test/manual/kvcr_direct_linker/kvcr_faults.py
+
+bench: $(STAMP)
+	$(PY) test/manual/kvcr_direct_linker/kvcr_microbench.py
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check python test examples
 	$(VENV)/bin/mypy

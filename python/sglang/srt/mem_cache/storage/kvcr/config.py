@@ -89,10 +89,11 @@ class KVCRLinkerConfig:
         metadata=_doc("Pages per KVCR fetch issued while preparing a request."),
     )
     max_inflight_offload_bytes: int = dataclasses.field(
-        default=256 * _MIB,
+        default=2048 * _MIB,
         metadata=_doc(
             "Bound on offload bytes queued or in flight; beyond it offloads complete "
-            "as failed (counted as backpressure) instead of queueing."
+            "as failed (counted as backpressure) instead of queueing. Keep it above "
+            "one request's pages (a 3000-token Qwen3-0.6B prompt is 329 MiB)."
         ),
     )
     max_inflight_prepare_bytes: int = dataclasses.field(

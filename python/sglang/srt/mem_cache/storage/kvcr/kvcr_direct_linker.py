@@ -227,7 +227,9 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self._abandoned: dict[int, int] = {}  # fetch op of a dropped prep -> bytes
         self._offload_fifo: collections.deque[list[Any]] = collections.deque()
         self._offload_pending: dict[int, list[Any]] = {}
-        self._deferred_deposits: list[Deposit] = []  # submitted by the next pump
+        # Direct-path offloads built and submitted by the next pump:
+        # (op id, page hashes, device pages, bytes).
+        self._deferred_deposits: list[tuple[int, list[str], list[int], int]] = []
         self._resident: set[bytes] = set()
         self._removed_hashes: list[str] = []
         self._queued_loads: dict[str, _LoadJob] = {}
@@ -355,9 +357,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
 
     def _pump(self) -> None:
         if self._deferred_deposits:
-            deposits, self._deferred_deposits = self._deferred_deposits, []
-            for deposit in deposits:
-                self._adapter.submit(deposit)
+            self._submit_deferred_deposits()
         for item in self._adapter.drain():
             if isinstance(item, InventoryChange):
                 self._on_inventory(item)
@@ -677,11 +677,12 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         if kv is None or not kv.keys:
             record[1] = False
             return True
-        pages = [
-            int(kv.device_indices[i * self.page_size]) // self.page_size
-            for i in range(len(kv.keys))
-        ]
+        step = self.page_size
+        pages = (kv.device_indices[: len(kv.keys) * step : step] // step).tolist()
         staging = self._staging
+        if staging is None:
+            self._defer_deposit(record, list(kv.keys), pages)
+            return True
         slots = staging.alloc(len(pages)) if staging is not None else None
         if staging is not None and slots is None:
             self.stats.offload_staging_full += 1
@@ -707,10 +708,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         if staging is None or slots is None:
             for event in events:
                 event.synchronize()
-            # Submitted by the next pump (the scheduler's next step): submitted
-            # here, KVCR's deposit would run on the owner thread while this thread
-            # still streams the batch's output, stalling it on the GIL.
-            self._deferred_deposits.append(deposit)
+            self._adapter.submit(deposit)
             return True
         self._staged_slots[op_id] = slots
         adapter = self._adapter  # the incarnation these slots' deposit belongs to
@@ -724,6 +722,34 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             )
         )
         return True
+
+    def _defer_deposit(
+        self, record: list[Any], keys: list[str], pages: list[int]
+    ) -> None:
+        """Direct path: account the offload now, build and submit its deposit at
+        the next pump (the scheduler's next step). Done here, one MemoryRef per
+        page and span, then KVCR's deposit on the owner thread contending for the
+        GIL, would hold up this thread, which has the batch's output to stream."""
+        per_page = sum(p.page_bytes * len(p.part_labels) for p in self.layout.pools)
+        nbytes = per_page * len(keys)
+        self.stats.offload_pages += len(keys)
+        op_id = self._adapter.next_op_id()
+        record[0], record[2] = op_id, nbytes
+        self._offload_pending[op_id] = record
+        if self._is_cuda:
+            for event in self.record_offload_ready():
+                event.synchronize()
+        self._deferred_deposits.append((op_id, keys, pages, nbytes))
+
+    def _submit_deferred_deposits(self) -> None:
+        deferred, self._deferred_deposits = self._deferred_deposits, []
+        for op_id, keys, pages, nbytes in deferred:
+            blocks = {
+                self.layout.block_key(h, pool.name): pool.memory_refs(self._agent, p)
+                for h, p in zip(keys, pages, strict=True)
+                for pool in self.layout.pools
+            }
+            self._adapter.submit(Deposit(op_id=op_id, blocks=blocks, nbytes=nbytes))
 
     def num_completed_offloads(self) -> int:
         self._pump()
