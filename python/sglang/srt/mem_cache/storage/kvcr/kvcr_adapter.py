@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _STOP = object()
 _BUSY_POLL_S = 0.0002  # owner loop period while operations are in flight
-_IDLE_POLL_S = 0.002  # while idle: still polls, so this rank keeps serving peers
+_IDLE_POLL_S = 0.005  # while idle: still polls, so this rank keeps serving peers
 _MAX_COMMANDS_PER_TURN = 64
 
 
