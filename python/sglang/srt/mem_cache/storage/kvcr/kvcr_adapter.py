@@ -131,6 +131,17 @@ class AdapterStats:
     peak_prepare_bytes: int = 0
 
 
+# Budget -> AdapterStats fields: (in flight, peak, refused count).
+_BUDGET_FIELDS = {
+    Budget.OFFLOAD: ("inflight_offload_bytes", "peak_offload_bytes", "refused_offload"),
+    Budget.PREPARE: ("inflight_prepare_bytes", "peak_prepare_bytes", "refused_prepare"),
+}
+
+
+def _budget(command: Deposit | Fetch) -> Budget:
+    return Budget.OFFLOAD if isinstance(command, Deposit) else Budget.PREPARE
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class AdapterLimits:
     max_inflight_offload_bytes: int
@@ -235,25 +246,23 @@ class KVCRAdapter:
     def submit(self, command: Deposit | Fetch | Release | DiscardHint) -> None:
         """Enqueue a command; results arrive through ``drain``."""
         self._raise_if_failed()
-        if isinstance(command, (Deposit, Fetch)):
-            budget = Budget.OFFLOAD if isinstance(command, Deposit) else Budget.PREPARE
-            if not self._charge(budget, command.nbytes):
-                keys = command.blocks if isinstance(command, Deposit) else command.keys
-                kind = OpKind.DEPOSIT if isinstance(command, Deposit) else OpKind.FETCH
-                refused = EntryResult(EntryStatus.REFUSED)
-                self._results.put(
-                    OpDone(command.op_id, kind, dict.fromkeys(keys, refused))
-                )
-                return
+        if isinstance(command, (Deposit, Fetch)) and not self._charge(
+            _budget(command), command.nbytes
+        ):
+            self._complete_all(command, EntryStatus.REFUSED)
+            return
         self._commands.put(command)
 
     def fail_op(self, command: Deposit | Fetch) -> None:
         """Complete a command that never reached KVCR as FAILED (e.g. a staging
         copy raised); safe from any thread."""
-        kind = OpKind.DEPOSIT if isinstance(command, Deposit) else OpKind.FETCH
+        self._complete_all(command, EntryStatus.FAILED)
+
+    def _complete_all(self, command: Deposit | Fetch, status: EntryStatus) -> None:
         keys = command.blocks if isinstance(command, Deposit) else command.keys
-        failed = EntryResult(EntryStatus.FAILED)
-        self._results.put(OpDone(command.op_id, kind, dict.fromkeys(keys, failed)))
+        kind = OpKind.DEPOSIT if isinstance(command, Deposit) else OpKind.FETCH
+        result = EntryResult(status)
+        self._results.put(OpDone(command.op_id, kind, dict.fromkeys(keys, result)))
 
     def drain(self) -> list[OpDone | InventoryChange]:
         """Every result produced since the last drain, in production order."""
@@ -311,38 +320,26 @@ class KVCRAdapter:
     # ---- budget ------------------------------------------------------------------
 
     def _charge(self, budget: Budget, nbytes: int) -> bool:
+        inflight, peak, refused = _BUDGET_FIELDS[budget]
+        limit = (
+            self._limits.max_inflight_offload_bytes
+            if budget is Budget.OFFLOAD
+            else self._limits.max_inflight_prepare_bytes
+        )
         with self._stats_lock:
             s = self._stats
-            if budget is Budget.OFFLOAD:
-                if (
-                    s.inflight_offload_bytes + nbytes
-                    > self._limits.max_inflight_offload_bytes
-                ):
-                    s.refused_offload += 1
-                    return False
-                s.inflight_offload_bytes += nbytes
-                s.peak_offload_bytes = max(
-                    s.peak_offload_bytes, s.inflight_offload_bytes
-                )
-            else:
-                if (
-                    s.inflight_prepare_bytes + nbytes
-                    > self._limits.max_inflight_prepare_bytes
-                ):
-                    s.refused_prepare += 1
-                    return False
-                s.inflight_prepare_bytes += nbytes
-                s.peak_prepare_bytes = max(
-                    s.peak_prepare_bytes, s.inflight_prepare_bytes
-                )
+            now = getattr(s, inflight) + nbytes
+            if now > limit:
+                setattr(s, refused, getattr(s, refused) + 1)
+                return False
+            setattr(s, inflight, now)
+            setattr(s, peak, max(getattr(s, peak), now))
             return True
 
     def _uncharge(self, budget: Budget, nbytes: int) -> None:
+        inflight = _BUDGET_FIELDS[budget][0]
         with self._stats_lock:
-            if budget is Budget.OFFLOAD:
-                self._stats.inflight_offload_bytes -= nbytes
-            else:
-                self._stats.inflight_prepare_bytes -= nbytes
+            setattr(self._stats, inflight, getattr(self._stats, inflight) - nbytes)
 
     def _raise_if_failed(self) -> None:
         if self._failure is not None:

@@ -167,7 +167,9 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self.pools = {PoolName.KV: kvcache}
         self.num_layers = self.layout.num_layers
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
-        self._is_cuda = kvcache.device != "cpu" and str(kvcache.device) != "cpu"
+        self._is_cuda = str(kvcache.device) != "cpu"
+        # Bytes of one page across every KVCR pool and part.
+        self._page_total = sum(p.page_bytes * len(p.spans) for p in self.layout.pools)
 
         plan = kvcr_layout.plan_capacity(
             self.layout, cfg.local_dram_bytes_per_worker, self._local_ranks
@@ -265,9 +267,8 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         path = self.config.offload_path
         if path == "direct" or (path == "auto" and not self._is_cuda):
             return None
-        page_total = sum(p.page_bytes * len(p.spans) for p in self.layout.pools)
         pages = max(
-            1, min(self.config.max_inflight_offload_bytes // page_total, 1 << 16)
+            1, min(self.config.max_inflight_offload_bytes // self._page_total, 1 << 16)
         )
         return HostStaging(self.layout.pools, self._dest_rows, pages, pin=self._is_cuda)
 
@@ -650,8 +651,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             return True
         ok = bool(self.layer_done_counter.finish(counter_index))
         if ok:
-            page_total = sum(p.page_bytes * len(p.spans) for p in self.layout.pools)
-            self.stats.restored_bytes += page_total * sum(
+            self.stats.restored_bytes += self._page_total * sum(
                 len(job.dest_pages) for job in jobs if job.complete
             )
         claims = [c for job in jobs for c in job.claims]
@@ -834,7 +834,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             f"evicted_pages={s.evicted_pages} "
             f"abandoned_bytes={self.abandoned_bytes()} "
             f"refused_abandoned={s.refused_abandoned} resident_keys={len(self._resident)} "
-            f"claims_held={sum(len(p.claims()) for p in self._preps.values())} "
+            f"claims_held={self.claims_held()} "
             f"refused_offload={a.refused_offload} refused_prepare={a.refused_prepare} "
             f"inflight_offload_bytes={a.inflight_offload_bytes} "
             f"inflight_prepare_bytes={a.inflight_prepare_bytes} "
