@@ -55,6 +55,11 @@ from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
 )
 from sglang.srt.mem_cache.storage.kvcr.offload_staging import HostStaging, StageJob
 from sglang.srt.mem_cache.storage.kvcr.plugin import refuse_unsupported_topology
+from sglang.srt.mem_cache.storage.kvcr.restore_copy import (
+    CpuRestorePlan,
+    CudaRowGather,
+    wide_rows,
+)
 from sglang.srt.mem_cache.storage.kvcr.router_hint import (
     EndpointAllowlist,
     RouterHintParser,
@@ -193,6 +198,12 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             ]
             for pool in self.layout.pools
         }
+        self._wide_dest = {
+            name: [wide_rows(rows) for rows in parts]
+            for name, parts in self._dest_rows.items()
+        }
+        # CUDA restores gather through pinned memory (see restore_copy).
+        self._cuda_gather = CudaRowGather() if self._is_cuda else None
         self._agent = ""
         self._staging = self._make_staging()
         self._factory_args: dict[str, Any] = {
@@ -783,33 +794,40 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
 
     def _copy_batch(self, index: int, jobs: list[_LoadJob]) -> None:
         jobs = [job for job in jobs if job.complete]
-        stream = torch.cuda.Stream() if self._is_cuda else None
+        dest_pages = [p for job in jobs for p in job.dest_pages]
+        if not dest_pages:
+            for layer in range(self.num_layers):
+                self.layer_done_counter.complete(index, layer)
+            return
+        slots = {
+            pool.name: [s for job in jobs for s in job.slots[pool.name]]
+            for pool in self.layout.pools
+        }
+        plans = {name: CpuRestorePlan(dest_pages, s) for name, s in slots.items()}
+        stores = {
+            pool.name: wide_rows(self._storage[pool.name].view(-1, pool.page_bytes))
+            for pool in self.layout.pools
+        }
         for layer in range(self.num_layers):
-            for pool in self.layout.pools:
-                parts = pool.layer_part_indices(layer)
-                dest_pages = [p for job in jobs for p in job.dest_pages]
-                if not dest_pages:
-                    continue
-                src_slots = [s for job in jobs for s in job.slots[pool.name]]
-                store = self._storage[pool.name].view(-1, pool.page_bytes)
-                for part in parts:
-                    src_rows = [s[part] for s in src_slots]
-                    target = self._dest_rows[pool.name][part]
-                    if stream is None:
-                        _copy_rows(_wide(target), dest_pages, _wide(store), src_rows)
-                    else:
-                        src = torch.tensor(src_rows, dtype=torch.long)
-                        dst = torch.tensor(dest_pages, dtype=torch.long)
-                        with torch.cuda.stream(stream):
-                            target.index_copy_(
-                                0,
-                                dst.to(target.device, non_blocking=True),
-                                store.index_select(0, src).to(
-                                    target.device, non_blocking=True
-                                ),
-                            )
-            if stream is not None:
-                stream.synchronize()
+            if self._cuda_gather is not None:
+                self._cuda_gather.copy_layer(
+                    [
+                        (
+                            self._dest_rows[pool.name][part],
+                            dest_pages,
+                            stores[pool.name].view(torch.uint8),
+                            [s[part] for s in slots[pool.name]],
+                        )
+                        for pool in self.layout.pools
+                        for part in pool.layer_part_indices(layer)
+                    ]
+                )
+            else:
+                for pool in self.layout.pools:
+                    for part in pool.layer_part_indices(layer):
+                        plans[pool.name].copy_part(
+                            self._wide_dest[pool.name][part], stores[pool.name], part
+                        )
             self.layer_done_counter.complete(index, layer)
 
     # ---- stats -----------------------------------------------------------------
@@ -852,24 +870,6 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
 
     def claims_held(self) -> int:
         return sum(len(p.claims()) for p in self._preps.values())
-
-
-def _wide(rows: torch.Tensor) -> torch.Tensor:
-    """The same bytes as 8-byte elements when rows allow: CPU index and copy
-    kernels move uint8 rows element by element, several times below memory speed."""
-    try:
-        return rows.view(torch.int64)
-    except RuntimeError:  # row size or offset not a multiple of 8
-        return rows
-
-
-def _copy_rows(
-    dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor, src_rows: list[int]
-) -> None:
-    """``dst[dst_rows[i]] = src[src_rows[i]]`` row by row: one pass, no temporary
-    (a gather into a temporary, then ``index_copy_``, moves every byte twice)."""
-    for d, s in zip(dst_rows, src_rows, strict=True):
-        dst[d].copy_(src[s])
 
 
 def _page_rows(tensor: torch.Tensor, page_size: int, page_bytes: int) -> torch.Tensor:
