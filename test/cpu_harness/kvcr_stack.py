@@ -22,6 +22,9 @@ class Geometry:
     heads: int = 2
     dim: int = 8
     pool_tokens: int = 256
+    # Sliding-window model: odd layers attend over this many tokens (SWAKVPool,
+    # FULL+SWA tree components); 0 = every layer full attention.
+    sliding_window: int = 0
 
 
 DEFAULT_GEOMETRY = Geometry()
@@ -64,19 +67,24 @@ def build_cache(
         unified_cache_external_linker_config=dict(config),
     )
     set_global_server_args_for_scheduler(server_args)
-    kvcache = MHATokenToKVPool(
-        g.pool_tokens,
-        g.page,
-        torch.bfloat16,
-        g.heads,
-        g.dim,
-        g.layers,
-        device="cpu",
-        enable_memory_saver=False,
-    )
-    allocator = PagedTokenToKVPoolAllocator(
-        g.pool_tokens, g.page, torch.bfloat16, "cpu", kvcache, False
-    )
+    components: tuple[Any, ...] = (ComponentType.FULL,)
+    if g.sliding_window:
+        kvcache, allocator = _swa_pool(g)
+        components = (ComponentType.FULL, ComponentType.SWA)
+    else:
+        kvcache = MHATokenToKVPool(
+            g.pool_tokens,
+            g.page,
+            torch.bfloat16,
+            g.heads,
+            g.dim,
+            g.layers,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+        allocator = PagedTokenToKVPoolAllocator(
+            g.pool_tokens, g.page, torch.bfloat16, "cpu", kvcache, False
+        )
     params = CacheInitParams(
         disable=False,
         req_to_token_pool=ReqToTokenPool(8, 512, "cpu", False),
@@ -84,13 +92,42 @@ def build_cache(
         page_size=g.page,
         tp_cache_group=group,
         attn_tp_cache_group=group,
-        tree_components=(ComponentType.FULL,),
+        tree_components=components,
+        sliding_window_size=g.sliding_window or None,
         enable_kv_cache_events=events,
         tree_core_backend=tree_core,
     )
     return KVCRStack(
         UnifiedRadixCache(params), kvcache, allocator, server_args, params, config
     )
+
+
+def _swa_pool(g: Geometry) -> tuple[Any, Any]:
+    """An SWAKVPool (even layers full, odd layers windowed) and its allocator."""
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    kvcache = SWAKVPool(
+        size=g.pool_tokens,
+        size_swa=g.pool_tokens,
+        page_size=g.page,
+        dtype=torch.bfloat16,
+        head_num=g.heads,
+        head_dim=g.dim,
+        swa_attention_layer_ids=list(range(1, g.layers, 2)),
+        full_attention_layer_ids=list(range(0, g.layers, 2)),
+        device="cpu",
+    )
+    allocator = SWATokenToKVPoolAllocator(
+        size=g.pool_tokens,
+        size_swa=g.pool_tokens,
+        page_size=g.page,
+        dtype=torch.bfloat16,
+        device="cpu",
+        kvcache=kvcache,
+        need_sort=False,
+    )
+    return kvcache, allocator
 
 
 def create_linker(stack: KVCRStack) -> Any:

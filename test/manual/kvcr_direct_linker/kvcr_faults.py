@@ -611,7 +611,9 @@ def scenario_failed_device_copy_mid_layer(sc: Scenario) -> None:
     for buf in kv_buffers(kvcache):
         buf.zero_()
     pool = linker.layout.pools[0]
-    saved = {i: linker._dest_rows[pool.name][i] for i in pool.layer_part_indices(1)}
+    # The CPU restore writes through these int64 row views of the pool buffers.
+    dests = linker._wide_dest[pool.name]
+    saved = {i: dests[i] for i in pool.layer_part_indices(1)}
 
     def admit(rid: str) -> Any:
         req = stack.make_req(rid, [*prefix, 7, 8])
@@ -625,13 +627,13 @@ def scenario_failed_device_copy_mid_layer(sc: Scenario) -> None:
     stack.load_back(req)
     private = cache.linker.private_load_indices[req.rid].clone()
     for i in saved:
-        linker._dest_rows[pool.name][i] = _FailingRows(1)
+        dests[i] = _FailingRows(1)
     try:
         sc.check("the load batch starts", cache.ready_to_load_host_cache() >= 0)
         failed = cache.finish_external_linker_loads([req])
     finally:
         for i, rows in saved.items():
-            linker._dest_rows[pool.name][i] = rows
+            dests[i] = rows
     reason = getattr(req.discard_output_reason, "message", None) or str(
         req.discard_output_reason
     )

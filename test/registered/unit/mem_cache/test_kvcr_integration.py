@@ -456,6 +456,77 @@ def test_ending_a_prepared_request_releases_every_claim_in_kvcr(
     assert linker.stats.late_claims_released == (pages if while_fetching else 0)
 
 
+# ---- 2b. admission wait -------------------------------------------------------------
+
+
+def stat(linker: Any, name: str) -> float:
+    """One ``name=value`` figure of the linker's KVCR_STATS line."""
+    match = re.search(rf"(?:^| ){name}=([0-9.]+)(?: |$)", linker.stats_line())
+    assert match, f"{name} missing from {linker.stats_line()}"
+    return float(match.group(1))
+
+
+def test_admission_wait_counts_a_held_request_once_and_nothing_else(make_stack):
+    """A request the gate held back is counted once, with its passes and a positive
+    wait, when the gate lets it through; a zero-hit request and one aborted while
+    held add nothing and leave no record."""
+    stack = make_stack()
+    cache, linker = stack.cache, stack.linker
+    prefix = list(range(100, 100 + 2 * PAGE))
+    insert_and_commit(stack, prefix, seed=5)
+    evict_from_device(stack, prefix)
+    held = make_req("held", [*prefix, 1, 2])
+    zero = make_req("zero", [60, 61, 62, 63, 64])
+    gone = make_req("gone", [*prefix, 3, 4])
+    sched = StubScheduler(cache)
+
+    def admit_all(scheduler: Any, *args: Any, **kwargs: Any) -> str:
+        scheduler.waiting_queue = []
+        return "batch"
+
+    def prefill_pass() -> None:
+        assert integration._around_get_new_batch_prefill(admit_all, sched) == "batch"
+
+    with owner_thread_stalled(linker):
+        for req in (held, zero, gone):
+            enqueue(sched, req)
+        first_pass = time.monotonic()
+        prefill_pass()
+        assert ids(sched.waiting_queue) == ["held", "gone"]  # zero admitted
+        prefill_pass()  # still fetching: held a second time
+        assert ids(sched.waiting_queue) == ["held", "gone"]
+        _abort(cache, gone)
+        sched.waiting_queue.remove(gone)
+    assert stat(linker, "admission_held") == 0  # nothing let through yet
+
+    wait_until(lambda: linker.preparation_ready(handle_of(held)), "held prepared")
+    prefill_pass()
+    elapsed_ms = (time.monotonic() - first_pass) * 1000.0
+    assert sched.waiting_queue == []
+    assert stat(linker, "admission_held") == 1
+    assert stat(linker, "admission_held_passes") == 2
+    wait_ms = stat(linker, "admission_wait_ms_max")
+    assert 0 < wait_ms <= elapsed_ms
+    assert stat(linker, "admission_wait_ms_avg") == wait_ms
+    assert linker._held == {}
+
+
+def test_admission_records_are_bounded_and_cleared_by_reset(make_stack, monkeypatch):
+    """Held requests that never come back age out past the bound; reset forgets all."""
+    from sglang.srt.mem_cache.storage.kvcr import kvcr_direct_linker
+
+    linker = make_stack().linker
+    monkeypatch.setattr(kvcr_direct_linker, "_MAX_HELD_TRACKED", 2)
+    linker.note_admission(["a", "b", "c"], [False, False, False])
+    assert list(linker._held) == ["b", "c"]
+    linker.note_admission(["a", "b", "c"], [True, True, True])
+    assert stat(linker, "admission_held") == 2
+    assert linker._held == {}
+    linker.note_admission(["d"], [False])
+    linker.reset()
+    assert linker._held == {}
+
+
 # ---- 3. EXTERNAL stored events ----------------------------------------------------
 
 

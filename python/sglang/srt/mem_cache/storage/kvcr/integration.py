@@ -7,7 +7,8 @@ Hooks (registered through ``HookRegistry`` by the plugin entry point):
   request, then ``prepare_request`` with the uncached tail, its hints and attempt.
 * ``Scheduler._get_new_batch_prefill_raw`` (AROUND): readiness of every waiting
   request, MIN-reduced across the attention group, hides the not-ready ones for
-  this pass and puts them back in their original order afterwards.
+  this pass and puts them back in their original order afterwards; each pass's
+  verdicts go to ``note_admission`` (the admission wait in the stats line).
 * ``UnifiedCacheLinkerWrapper.release_request`` and ``UnifiedRadixCache.on_release``
   (AFTER): aborts and releases reach the backend.
 * ``UnifiedCacheLinkerWrapper.commit_completed_offloads`` (AROUND) and
@@ -216,6 +217,9 @@ def _around_get_new_batch_prefill(
     if not queue or _preparing_backend(tree_cache) is None:
         return original(scheduler, *args, **kwargs)
     ready = wrapper_sync_preparation(tree_cache.linker, queue)
+    linker_hook(tree_cache.linker.cache_linker, "note_admission")(
+        [r.rid for r in queue], ready
+    )
     if all(ready):
         return original(scheduler, *args, **kwargs)
     held = [r for r, ok in zip(queue, ready, strict=True) if not ok]

@@ -231,7 +231,7 @@ class KVCRAdapter:
             ) from None
         except Exception as exc:
             raise KVCRUnavailableError(
-                f"KVCR failed to start: {exc}{_startup_remedy(str(exc))}"
+                f"KVCR failed to start: {exc}{_startup_remedy(exc)}"
             ) from exc
 
     # ---- scheduler-thread API -------------------------------------------------
@@ -488,18 +488,66 @@ class KVCRAdapter:
                 logger.exception("KVCR close was not clean; resources retained")
 
 
-def _startup_remedy(message: str) -> str:
-    """A hint for the startup failures whose fix lies outside this package."""
-    if "ibv_reg_mr" in message or "Bad address" in message:
-        return (
-            "; UCX could not register GPU memory for RDMA (no GPUDirect RDMA): load "
-            "nvidia_peermem, or for same-node use set UCX_TLS=tcp,cuda_copy,cuda_ipc"
-        )
-    if "UCX" in message and ("not found" in message or "NOT_FOUND" in message):
-        return "; the NIXL UCX backend is missing: reinstall nixl==1.5.0 (nixl-cu12/13)"
+# One line each: what failed, and the setting that fixes it.
+_REMEDY_PORT = (
+    "; control_port (+ attention rank) is already in use on this host: give each "
+    "worker a free range of control_port values, or set control_port to 0"
+)
+_REMEDY_NO_UCX = (
+    "; NIXL has no usable UCX backend (its plugin is missing or failed to load): "
+    "unset NIXL_PLUGIN_DIR or point it at nixl's plugins, and reinstall "
+    "nixl==1.5.0 (nixl-cu12/nixl-cu13)"
+)
+_REMEDY_GPUDIRECT = (
+    "; UCX could not register memory for RDMA (ibv_reg_mr: Bad address in the UCX "
+    "log means no GPUDirect RDMA): load nvidia_peermem, or for same-node use set "
+    "UCX_TLS=tcp,cuda_copy,cuda_ipc"
+)
+_REMEDY_UCX_START = (
+    "; the NIXL UCX backend failed to start (the UCX ERROR lines say why): "
+    "UCX_TLS must include tcp, and UCX_NET_DEVICES must name existing devices"
+)
+
+
+def _startup_remedy(exc: BaseException) -> str:
+    """A one-line fix for the startup failures whose cause lies outside this package.
+
+    NIXL reports most of them as a bare status (``NIXL_ERR_BACKEND``), so the nixl
+    call that raised it (``register_memory`` or ``create_backend``, read from the
+    traceback) tells a missing plugin, a failed registration and a bad UCX
+    setting apart; any other failure gets no remedy.
+    """
+    message = str(exc)
+    nixl_calls = _nixl_calls(exc)
     if "Address already in use" in message:
-        return "; control_port (+ attention rank) is taken: pick a free control_port"
+        return _REMEDY_PORT
+    if "No plugins available for NIXL" in message or (
+        "NIXL_ERR_NOT_FOUND" in message and "register_memory" in nixl_calls
+    ):
+        return _REMEDY_NO_UCX
+    if ("ibv_reg_mr" in message and "Bad address" in message) or (
+        "NIXL_ERR_BACKEND" in message and "register_memory" in nixl_calls
+    ):
+        return _REMEDY_GPUDIRECT
+    if "NIXL_ERR_BACKEND" in message and "create_backend" in nixl_calls:
+        return _REMEDY_UCX_START
     return ""
+
+
+def _nixl_calls(exc: BaseException) -> set[str]:
+    """Names of the nixl functions on the tracebacks of ``exc`` and its causes."""
+    names: set[str] = set()
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        tb = cause.__traceback__
+        while tb is not None:
+            if str(tb.tb_frame.f_globals.get("__name__", "")).startswith("nixl"):
+                names.add(tb.tb_frame.f_code.co_name)
+            tb = tb.tb_next
+        cause = cause.__cause__ or cause.__context__
+    return names
 
 
 class _ClosedError(Exception):

@@ -71,6 +71,9 @@ logger = logging.getLogger(__name__)
 _STATS_LOG_PERIOD_S = 30.0
 _INCARNATIONS = itertools.count(1)
 _LAZY_PREPARE_WAIT_S = 0.25
+# Requests the readiness gate holds back, tracked for the admission wait; a
+# request that leaves without a release only ages out past this bound.
+_MAX_HELD_TRACKED = 4096
 
 
 class PrepState(enum.Enum):
@@ -95,11 +98,29 @@ class Preparation:
     )
     hinted: bool = False
 
-    def claimed_prefix(self, start: int, pools: int) -> int:
-        n = 0
-        while len(self.landed.get(start + n, ())) == pools:
-            n += 1
-        return n
+    def restorable(
+        self,
+        start: int,
+        limit: int,
+        full: frozenset[str],
+        window: frozenset[str],
+        window_pages: int,
+    ) -> list[int]:
+        """Every tail-relative boundary ``b <= limit`` (pages from ``start``)
+        restorable from claims: ``full`` pools claimed for all ``b`` pages and
+        ``window`` pools for the last ``window_pages`` of them. Sparse when a
+        window page in the middle is missing (0.5.23's restorable-set rule)."""
+        out: list[int] = []
+        last_gap = -1  # latest tail page lacking a window-pool claim
+        for b in range(1, limit + 1):
+            have = self.landed.get(start + b - 1, {})
+            if not full <= have.keys():
+                break
+            if not window <= have.keys():
+                last_gap = b - 1
+            if last_gap < max(0, b - window_pages):
+                out.append(b)
+        return out
 
     def claims(self) -> list[int]:
         return [claim for page in self.landed.values() for claim, _ in page.values()]
@@ -108,11 +129,19 @@ class Preparation:
 @dataclasses.dataclass(slots=True)
 class _LoadJob:
     rid: str
-    dest_pages: list[int]
-    # per pool: slot element indices [page][part]
+    # per KVCR pool: destination device pages, and slot element indices [page][part]
+    dest_pages: dict[str, list[int]]
     slots: dict[str, list[tuple[int, ...]]]
     claims: list[int]
     complete: bool  # every page claimed in every pool; else nothing is copied
+
+
+@dataclasses.dataclass(slots=True)
+class _Held:
+    """A request the readiness gate is holding back."""
+
+    since: float  # monotonic time of the first pass that held it
+    passes: int = 1
 
 
 @dataclasses.dataclass(slots=True)
@@ -138,6 +167,12 @@ class LinkerStats:
     prepare_ms_total: float = 0.0
     prepare_ms_max: float = 0.0
     prepare_done: int = 0
+    # Readiness gate: requests it held back at least once and then let through,
+    # the passes they were held for, and the wait from first hold to release.
+    admission_held: int = 0
+    admission_held_passes: int = 0
+    admission_wait_ms_total: float = 0.0
+    admission_wait_ms_max: float = 0.0
     offload_staging_full: int = 0
     refused_abandoned: int = 0
     evicted_pages: int = 0
@@ -169,12 +204,17 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self.layout = kvcr_layout.PageLayout.from_kv_pool(
             kvcache, self.page_size, identity=identity, draft_pool=_draft_pool(params)
         )
-        self.pools = {PoolName.KV: kvcache}
+        self.pools = _sglang_pools(kvcache, components, self.layout)
+        self._full_names = frozenset(p.name for p in self.layout.full_pools)
+        self._window_names = frozenset(p.name for p in self.layout.window_pools)
         self.num_layers = self.layout.num_layers
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
         self._is_cuda = str(kvcache.device) != "cpu"
-        # Bytes of one page across every KVCR pool and part.
-        self._page_total = sum(p.page_bytes * len(p.spans) for p in self.layout.pools)
+        # Bytes of one page of each KVCR pool (every part), and across all pools.
+        self._pool_page_bytes = {
+            p.name: p.page_bytes * len(p.spans) for p in self.layout.pools
+        }
+        self._page_total = sum(self._pool_page_bytes.values())
 
         plan = kvcr_layout.plan_capacity(
             self.layout, cfg.local_dram_bytes_per_worker, self._local_ranks
@@ -236,13 +276,14 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         )
         self.stats = LinkerStats()
         self._preps: dict[str, Preparation] = {}
+        self._held: dict[str, _Held] = {}  # rid -> held by the readiness gate
         self._op_owner: dict[int, tuple[str, int]] = {}  # fetch op -> (rid, bytes)
         self._abandoned: dict[int, int] = {}  # fetch op of a dropped prep -> bytes
         self._offload_fifo: collections.deque[list[Any]] = collections.deque()
         self._offload_pending: dict[int, list[Any]] = {}
         # Direct-path offloads built and submitted by the next pump:
-        # (op id, page hashes, device pages, bytes).
-        self._deferred_deposits: list[tuple[int, list[str], list[int], int]] = []
+        # (op id, [(KVCR pool, page hash, device page, ordinal)], bytes).
+        self._deferred_deposits: list[tuple[int, list[Any], int]] = []
         self._resident: set[bytes] = set()
         self._removed_hashes: list[str] = []
         self._queued_loads: dict[str, _LoadJob] = {}
@@ -311,6 +352,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             for slots in self._staged_slots.values():
                 self._staging.free(slots)
         self._staged_slots.clear()
+        self._held.clear()
         self._resident.clear()
         self._removed_hashes.clear()
         self._offload_pending.clear()
@@ -476,12 +518,11 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         page_hashes = _kv_keys(transfers)
         hint = self._hints.parse(ctx.kv_hints) if ctx.kv_hints is not None else None
         hinted = set(hint.block_hashes) if hint is not None else set()
-        pools = self.layout.pools
         wanted = 0
         for page_hash in page_hashes:
-            keys = [self.layout.block_key(page_hash, p.name) for p in pools]
-            local = all(k in self._resident for k in keys)
-            if not local and page_hash_to_u64(page_hash) not in hinted:
+            if not self._resident_in(page_hash, self.layout.full_pools) and (
+                page_hash_to_u64(page_hash) not in hinted
+            ):
                 break
             wanted += 1
         deadline = time.monotonic() + self.config.preparation_timeout_ms / 1000.0
@@ -499,9 +540,20 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self.stats.prepared_pages += wanted
         envelope = hint.to_kvcr_envelope() if hint is not None else None
         chunk = self.config.prepare_chunk_pages
+        # Window pools (SWA) only where this rank or the hinted peer may hold them:
+        # a missing window page narrows the restorable set, it never blocks it.
+        window_set = {
+            h
+            for h in page_hashes[:wanted]
+            if page_hash_to_u64(h) in hinted
+            or self._resident_in(h, self.layout.window_pools)
+        }
         for start in range(0, wanted, chunk):
-            pages = page_hashes[start : min(wanted, start + chunk)]
-            for pool in pools:
+            span = page_hashes[start : min(wanted, start + chunk)]
+            for pool in self.layout.pools:
+                pages = [h for h in span if h in window_set] if pool.trailing else span
+                if not pages:
+                    continue
                 op_id = self._adapter.next_op_id()
                 chunk_keys = tuple(self.layout.block_key(h, pool.name) for h in pages)
                 nbytes = len(chunk_keys) * pool.page_bytes * len(pool.spans)
@@ -520,6 +572,11 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
                 envelope = None  # submitted once per request id
         self._pump()
         return ctx.handle
+
+    def _resident_in(self, page_hash: str, pools: tuple[Any, ...]) -> bool:
+        return all(
+            self.layout.block_key(page_hash, p.name) in self._resident for p in pools
+        )
 
     def _mark_ready(self, prep: Preparation) -> None:
         if prep.state is PrepState.FETCHING:
@@ -541,7 +598,35 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             return True
         return False
 
+    def note_admission(self, rids: list[str], ready: list[bool]) -> None:
+        """Record one readiness-gate pass: the wait of each request it held back,
+        from the first pass that held it to the pass that let it through."""
+        held = self._held
+        if not held and all(ready):
+            return  # the common pass: nothing held before or now
+        now = time.monotonic()
+        for rid, ok in zip(rids, ready, strict=True):
+            if not ok:
+                record = held.get(rid)
+                if record is not None:
+                    record.passes += 1
+                    continue
+                if len(held) >= _MAX_HELD_TRACKED:
+                    del held[next(iter(held))]  # the oldest record goes unmeasured
+                held[rid] = _Held(now)
+                continue
+            released = held.pop(rid, None)
+            if released is None:
+                continue  # never held: adds nothing
+            waited_ms = (now - released.since) * 1000.0
+            s = self.stats
+            s.admission_held += 1
+            s.admission_held_passes += released.passes
+            s.admission_wait_ms_total += waited_ms
+            s.admission_wait_ms_max = max(s.admission_wait_ms_max, waited_ms)
+
     def release_request(self, rid: str) -> None:
+        self._held.pop(rid, None)
         prep = self._preps.get(rid)
         if prep is not None:
             self._drop_prep(prep)
@@ -603,43 +688,65 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             self.stats.miss_prefix_moved += 1
             self._drop_prep(prep)
             return []
-        n = min(prep.claimed_prefix(start, len(self.layout.pools)), len(page_hashes))
-        if n == 0:
+        boundaries = prep.restorable(
+            start,
+            len(page_hashes),
+            self._full_names,
+            self._window_names,
+            _window_pages(transfers, len(page_hashes)),
+        )
+        if not boundaries:
             self.stats.miss_unclaimed += 1
-        self.stats.hit_pages += n
-        return list(range(1, n + 1))
+        self.stats.hit_pages += boundaries[-1] if boundaries else 0
+        return boundaries
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
-        kv = next((t for t in transfers if t.name == PoolName.KV), None)
+        by_name = {t.name: t for t in transfers}
+        kv = by_name.get(PoolName.KV)
         if kv is None or not kv.keys:
             return False
         prep = self._preps.get(rid)
         page_hashes = list(kv.keys)
-        dest_pages = [
-            int(kv.device_indices[i * self.page_size]) // self.page_size
-            for i in range(len(page_hashes))
-        ]
+        dest: dict[str, list[int]] = {p.name: [] for p in self.layout.pools}
         slots: dict[str, list[tuple[int, ...]]] = {
             p.name: [] for p in self.layout.pools
         }
         claims: list[int] = []
         complete = prep is not None
-        for page_hash in page_hashes:
+        # Window pools restore the SWA transfer's pages (the trailing window).
+        window = by_name.get(PoolName.SWA)
+        window_index = (
+            {h: j for j, h in enumerate(window.keys or ())}
+            if window is not None
+            else {}
+        )
+        if self._window_names and (
+            window is None or not window_index.keys() <= set(page_hashes)
+        ):
+            complete = False
+        for i, page_hash in enumerate(page_hashes):
             index = None if prep is None else self._page_index(prep, page_hash)
             landed = (
                 None if prep is None or index is None else prep.landed.pop(index, None)
-            )
-            if landed is None or len(landed) != len(self.layout.pools):
-                complete = False
-                if landed:
-                    claims.extend(c for c, _ in landed.values())
-                continue
-            for pool_name, (claim, parts) in landed.items():
-                slots[pool_name].append(parts)
-                claims.append(claim)
+            ) or {}
+            claims.extend(c for c, _ in landed.values())  # all released after delivery
+            for pool in self.layout.pools:
+                source, j = kv, i
+                if pool.trailing:
+                    if window is None or page_hash not in window_index:
+                        continue
+                    source, j = window, window_index[page_hash]
+                entry = landed.get(pool.name)
+                if entry is None:
+                    complete = False
+                    continue
+                dest[pool.name].append(
+                    int(source.device_indices[j * self.page_size]) // self.page_size
+                )
+                slots[pool.name].append(entry[1])
         # Queued regardless (the answer depends on the transfers only, so every
         # rank agrees); a missing claim fails the batch and the wrapper aborts it.
-        self._queued_loads[rid] = _LoadJob(rid, dest_pages, slots, claims, complete)
+        self._queued_loads[rid] = _LoadJob(rid, dest, slots, claims, complete)
         self.stats.loads += 1
         self.stats.load_pages += len(page_hashes)
         if not complete:
@@ -662,8 +769,11 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             return True
         ok = bool(self.layer_done_counter.finish(counter_index))
         if ok:
-            self.stats.restored_bytes += self._page_total * sum(
-                len(job.dest_pages) for job in jobs if job.complete
+            self.stats.restored_bytes += sum(
+                len(pages) * self._pool_page_bytes[name]
+                for job in jobs
+                if job.complete
+                for name, pages in job.dest_pages.items()
             )
         claims = [c for job in jobs for c in job.claims]
         if claims:
@@ -684,49 +794,75 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         record: list[Any] = [None, None, 0]  # [op id, result, bytes]
         self._offload_fifo.append(record)
         self.stats.offloads += 1
-        kv = next((t for t in transfers if t.name == PoolName.KV), None)
+        by_name = {t.name: t for t in transfers}
+        kv = by_name.get(PoolName.KV)
         if kv is None or not kv.keys:
             record[1] = False
             return True
+        # (pool, page hash, device page, staging ordinal) per KVCR block; window
+        # pools store the SWA transfer's pages (those still holding window KV).
         step = self.page_size
-        pages = (kv.device_indices[: len(kv.keys) * step : step] // step).tolist()
+        kv_keys = list(kv.keys)
+        kv_pages = (kv.device_indices[: len(kv_keys) * step : step] // step).tolist()
+        ordinal = {h: i for i, h in enumerate(kv_keys)}
+        window = by_name.get(PoolName.SWA)
+        window_pages: list[tuple[str, int]] = []
+        if window is not None and window.keys and window.device_indices is not None:
+            pages = window.device_indices[: len(window.keys) * step : step] // step
+            window_pages = [
+                (h, p)
+                for h, p in zip(window.keys, pages.tolist(), strict=True)
+                if h in ordinal
+            ]
+        items = [
+            (pool, h, p, ordinal[h])
+            for pool in self.layout.pools
+            for h, p in (
+                window_pages if pool.trailing else zip(kv_keys, kv_pages, strict=True)
+            )
+        ]
+        nbytes = sum(self._pool_page_bytes[pool.name] for pool, *_ in items)
+        self.stats.offload_pages += len(kv_keys)
         staging = self._staging
-        if staging is None:
-            self._defer_deposit(record, list(kv.keys), pages)
-            return True
-        slots = staging.alloc(len(pages)) if staging is not None else None
-        if staging is not None and slots is None:
-            self.stats.offload_staging_full += 1
-            record[1] = False  # backpressure: the staging area is full
-            return True
-        blocks: dict[bytes, list[Any]] = {}
-        nbytes = 0
-        for i, page_hash in enumerate(kv.keys):
-            for pool in self.layout.pools:
-                key = self.layout.block_key(page_hash, pool.name)
-                blocks[key] = (
-                    staging.memory_refs(self._agent, pool, slots[i])
-                    if staging is not None and slots is not None
-                    else pool.memory_refs(self._agent, pages[i])
-                )
-                nbytes += pool.page_bytes * len(pool.part_labels)
-        self.stats.offload_pages += len(kv.keys)
+        slots = None
+        if staging is not None:
+            slots = staging.alloc(len(kv_keys))
+            if slots is None:
+                self.stats.offload_staging_full += 1
+                record[1] = False  # backpressure: the staging area is full
+                return True
         op_id = self._adapter.next_op_id()
         record[0], record[2] = op_id, nbytes
         self._offload_pending[op_id] = record
-        deposit = Deposit(op_id=op_id, blocks=blocks, nbytes=nbytes)
         events = tuple(self.record_offload_ready()) if self._is_cuda else ()
         if staging is None or slots is None:
+            # Direct path: built and submitted at the next pump (the scheduler's
+            # next step). Done here, one MemoryRef per page and span, then KVCR's
+            # deposit on the owner thread contending for the GIL, would hold up
+            # this thread, which has the batch's output to stream.
             for event in events:
                 event.synchronize()
-            self._adapter.submit(deposit)
+            self._deferred_deposits.append((op_id, items, nbytes))
             return True
+        blocks = {
+            self.layout.block_key(h, pool.name): staging.memory_refs(
+                self._agent, pool, slots[i]
+            )
+            for pool, h, _, i in items
+        }
+        deposit = Deposit(op_id=op_id, blocks=blocks, nbytes=nbytes)
         self._staged_slots[op_id] = slots
         adapter = self._adapter  # the incarnation these slots' deposit belongs to
         staging.stage(
             StageJob(
-                device_pages=tuple(pages),
-                slots=slots,
+                copies=tuple(
+                    (
+                        pool.name,
+                        tuple(p for q, _, p, _ in items if q is pool),
+                        tuple(slots[i] for q, _, _, i in items if q is pool),
+                    )
+                    for pool in self.layout.pools
+                ),
                 events=events,
                 submit=lambda: adapter.submit(deposit),
                 fail=lambda exc: adapter.fail_op(deposit),
@@ -734,31 +870,12 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         )
         return True
 
-    def _defer_deposit(
-        self, record: list[Any], keys: list[str], pages: list[int]
-    ) -> None:
-        """Direct path: account the offload now, build and submit its deposit at
-        the next pump (the scheduler's next step). Done here, one MemoryRef per
-        page and span, then KVCR's deposit on the owner thread contending for the
-        GIL, would hold up this thread, which has the batch's output to stream."""
-        per_page = sum(p.page_bytes * len(p.part_labels) for p in self.layout.pools)
-        nbytes = per_page * len(keys)
-        self.stats.offload_pages += len(keys)
-        op_id = self._adapter.next_op_id()
-        record[0], record[2] = op_id, nbytes
-        self._offload_pending[op_id] = record
-        if self._is_cuda:
-            for event in self.record_offload_ready():
-                event.synchronize()
-        self._deferred_deposits.append((op_id, keys, pages, nbytes))
-
     def _submit_deferred_deposits(self) -> None:
         deferred, self._deferred_deposits = self._deferred_deposits, []
-        for op_id, keys, pages, nbytes in deferred:
+        for op_id, items, nbytes in deferred:
             blocks = {
                 self.layout.block_key(h, pool.name): pool.memory_refs(self._agent, p)
-                for h, p in zip(keys, pages, strict=True)
-                for pool in self.layout.pools
+                for pool, h, p, _ in items
             }
             self._adapter.submit(Deposit(op_id=op_id, blocks=blocks, nbytes=nbytes))
 
@@ -794,40 +911,41 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
 
     def _copy_batch(self, index: int, jobs: list[_LoadJob]) -> None:
         jobs = [job for job in jobs if job.complete]
-        dest_pages = [p for job in jobs for p in job.dest_pages]
-        if not dest_pages:
-            for layer in range(self.num_layers):
-                self.layer_done_counter.complete(index, layer)
-            return
-        slots = {
-            pool.name: [s for job in jobs for s in job.slots[pool.name]]
-            for pool in self.layout.pools
-        }
-        plans = {name: CpuRestorePlan(dest_pages, s) for name, s in slots.items()}
+        moves = {}  # pool name -> (destination pages, source slots) of the batch
+        for pool in self.layout.pools:
+            dest = [p for job in jobs for p in job.dest_pages[pool.name]]
+            if dest:
+                slots = [s for job in jobs for s in job.slots[pool.name]]
+                moves[pool.name] = (dest, slots)
+        plans = {name: CpuRestorePlan(d, s) for name, (d, s) in moves.items()}
         stores = {
             pool.name: wide_rows(self._storage[pool.name].view(-1, pool.page_bytes))
             for pool in self.layout.pools
         }
         for layer in range(self.num_layers):
-            if self._cuda_gather is not None:
+            parts = [
+                (pool.name, part)
+                for pool in self.layout.pools
+                if pool.name in moves
+                for part in pool.layer_part_indices(layer)
+            ]
+            if self._cuda_gather is not None and parts:
                 self._cuda_gather.copy_layer(
                     [
                         (
-                            self._dest_rows[pool.name][part],
-                            dest_pages,
-                            stores[pool.name].view(torch.uint8),
-                            [s[part] for s in slots[pool.name]],
+                            self._dest_rows[name][part],
+                            moves[name][0],
+                            stores[name].view(torch.uint8),
+                            [s[part] for s in moves[name][1]],
                         )
-                        for pool in self.layout.pools
-                        for part in pool.layer_part_indices(layer)
+                        for name, part in parts
                     ]
                 )
-            else:
-                for pool in self.layout.pools:
-                    for part in pool.layer_part_indices(layer):
-                        plans[pool.name].copy_part(
-                            self._wide_dest[pool.name][part], stores[pool.name], part
-                        )
+            elif parts:
+                for name, part in parts:
+                    plans[name].copy_part(
+                        self._wide_dest[name][part], stores[name], part
+                    )
             self.layer_done_counter.complete(index, layer)
 
     # ---- stats -----------------------------------------------------------------
@@ -846,6 +964,11 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             f"offloaded_bytes={s.offloaded_bytes} restored_bytes={s.restored_bytes} "
             f"prepare_wait_ms_avg={s.prepare_ms_total / max(1, s.prepare_done):.2f} "
             f"prepare_wait_ms_max={s.prepare_ms_max:.2f} "
+            f"admission_wait_ms_avg="
+            f"{s.admission_wait_ms_total / max(1, s.admission_held):.2f} "
+            f"admission_wait_ms_max={s.admission_wait_ms_max:.2f} "
+            f"admission_held={s.admission_held} "
+            f"admission_held_passes={s.admission_held_passes} "
             f"quarantined_bytes={self.quarantined_bytes()} "
             f"prepared={s.prepared} prepared_pages={s.prepared_pages} "
             f"deadline_expired={s.prepare_deadline_expired} "
@@ -895,6 +1018,43 @@ def _draft_pool(params: Any) -> Any:
             "(--speculative-* settings); use a single draft model layer pool"
         )
     return pools[0] if pools else None
+
+
+def _sglang_pools(kvcache: Any, components: Any, layout: Any) -> dict[Any, Any]:
+    """``self.pools`` for the wrapper (it restores SWA only if SWA is listed).
+
+    Tree components must be FULL, or FULL+SWA over an ``SWAKVPool``: a Mamba
+    state is one slot per request, not a page, and has no KVCR form here.
+    """
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    kinds = {ComponentType(int(c)) for c in components or ()}
+    names = sorted(k.name for k in kinds)
+    windowed = bool(layout.window_pools)
+    if kinds - {ComponentType.FULL, ComponentType.SWA}:
+        raise KVCRLayoutError(
+            f"tree components {names}: the KVCR linker restores FULL attention KV "
+            "and sliding-window (SWA) KV only; hybrid Mamba/linear-attention models "
+            "are not supported (drop --unified-cache-external-linker-backend for "
+            "this model)"
+        )
+    if (ComponentType.SWA in kinds) != windowed:
+        raise KVCRLayoutError(
+            f"tree components {names} do not match the KV pool "
+            f"{type(kvcache).__name__}: SWA needs an SWAKVPool and vice versa"
+        )
+    if not windowed:
+        return {PoolName.KV: kvcache}
+    return {PoolName.KV: kvcache.full_kv_pool, PoolName.SWA: kvcache.swa_kv_pool}
+
+
+def _window_pages(transfers: list[PoolTransfer], tail_pages: int) -> int:
+    """Pages of the trailing window: the SWA lookup transfer carries the tail's
+    last ``ceil(window / page)`` keys (all of them when the tail is shorter)."""
+    for transfer in transfers:
+        if transfer.name == PoolName.SWA:
+            return len(transfer.keys or ())
+    return tail_pages
 
 
 def _kv_keys(transfers: list[PoolTransfer]) -> list[str]:

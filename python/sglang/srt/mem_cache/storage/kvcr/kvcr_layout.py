@@ -2,6 +2,10 @@
 
 A page of a dense NHD pool is one equal-sized byte range in every per-layer buffer
 (MHA: ``k_l`` then ``v_l`` per layer, so a layer's parts are adjacent; MLA: ``kv_l``).
+A sliding-window model's ``SWAKVPool`` is two such pools: its full-attention layers
+become KVCR pool ``kv`` and its window layers KVCR pool ``swa``, which takes device
+indices from SGLang's SWA transfer and is needed only for the trailing window of a
+restore (``trailing``); every span records its model (transfer) layer.
 Each buffer is a :class:`Span`, registered as one KVCR framework region
 ``pool:part`` whose element ``i`` is page ``i``; a KVCR block is one page of one
 KVCR pool, valued by one ``MemoryRef`` per span. KVCR has one block size per pool,
@@ -35,7 +39,8 @@ NO_MATCH_HASH = -1  # KeyAdapter.decode result for foreign keys; router hashes a
 _UINT64_MASK = (1 << 64) - 1
 _SUPPORTED = (
     "the KVCR linker supports dense MHA/MLA pools (MHATokenToKVPool, "
-    "MLATokenToKVPool) with NHD slot rows and no scale buffers"
+    "MLATokenToKVPool) and sliding-window SWAKVPool over them, with NHD slot rows "
+    "and no scale buffers"
 )
 
 
@@ -77,6 +82,10 @@ class PoolLayout:
     source: str
     spans: tuple[Span, ...]
     mem_type: str = "DRAM"
+    # The SGLang transfer whose device indices address this pool ("kv" or "swa"),
+    # and whether a restore needs only its trailing window of pages.
+    indices_from: str = "kv"
+    trailing: bool = False
     device_id: int = 0
     tensors: tuple[torch.Tensor, ...] = field(default=(), compare=False, repr=False)
 
@@ -188,12 +197,14 @@ class PageLayout:
             raise KVCRLayoutError(f"bad attention TP shard in {identity}")
         if draft_pool is not None and not identity.draft:
             raise KVCRLayoutError("a draft KV pool needs ModelIdentity.draft set")
-        sources = [("kv", kvcache)] + [("draft", draft_pool)] * (draft_pool is not None)
+        sources = _sources(kvcache)
+        if draft_pool is not None:
+            sources.append(("draft", draft_pool, None))
         pools: list[PoolLayout] = []
         geometry: list[dict[str, object]] = []
-        for source, pool in sources:
+        for source, pool, layers in sources:
             geometry.append(_check_pool(pool, page_size))
-            pools.extend(_pool_layouts(source, pool, page_size))
+            pools.extend(_pool_layouts(source, pool, page_size, layers))
         sharded = any(g["kind"] == "mha" for g in geometry)
         payload = {
             "tag": KEY_TAG,
@@ -206,7 +217,13 @@ class PageLayout:
             else "replicated",
             "geometry": geometry,
             "pools": [
-                [p.name, p.page_bytes, [[s.label, s.layer] for s in p.spans]]
+                [
+                    p.name,
+                    p.page_bytes,
+                    p.indices_from,
+                    p.trailing,
+                    [[s.label, s.layer] for s in p.spans],
+                ]
                 for p in pools
             ],
         }
@@ -229,6 +246,15 @@ class PageLayout:
     @property
     def pool_names(self) -> list[str]:
         return [p.name for p in self.pools]
+
+    @property
+    def full_pools(self) -> tuple[PoolLayout, ...]:
+        """Pools a restore needs for every page (the rest: trailing window only)."""
+        return tuple(p for p in self.pools if not p.trailing)
+
+    @property
+    def window_pools(self) -> tuple[PoolLayout, ...]:
+        return tuple(p for p in self.pools if p.trailing)
 
     def make_key(self, page_hash: str, pool: str) -> str:
         """KVCR key of one page of one KVCR pool, tagged with this digest."""
@@ -356,15 +382,51 @@ def _check_pool(pool: Any, page_size: int) -> dict[str, object]:
     }
 
 
-def _pool_layouts(source: str, pool: Any, page_size: int) -> list[PoolLayout]:
+def _sources(kvcache: Any) -> list[tuple[str, Any, dict[int, int] | None]]:
+    """(KVCR pool name, SGLang pool, buffer index -> transfer layer) per sub-pool."""
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    if not isinstance(kvcache, SWAKVPool):
+        return [("kv", kvcache, None)]
+    if type(kvcache) is not SWAKVPool:
+        raise KVCRLayoutError(
+            f"{type(kvcache).__name__}: only the plain SWAKVPool sliding-window "
+            f"layout can be described; {_SUPPORTED}"
+        )
+    start = int(getattr(kvcache, "start_layer", 0))
+    full: dict[int, int] = {}
+    window: dict[int, int] = {}
+    for global_layer, (index, is_swa) in kvcache.layers_mapping.items():
+        (window if is_swa else full)[int(index)] = int(global_layer) - start
+    return [
+        ("kv", kvcache.full_kv_pool, full),
+        ("swa", kvcache.swa_kv_pool, window),
+    ]
+
+
+def _pool_layouts(
+    source: str, pool: Any, page_size: int, layers: dict[int, int] | None
+) -> list[PoolLayout]:
+    def layer_of(index: int) -> int:
+        if layers is None:
+            return index
+        if index not in layers:
+            raise KVCRLayoutError(
+                f"{type(pool).__name__}: buffer {index} of {source!r} has no model "
+                "layer in the pool's layers_mapping"
+            )
+        return layers[index]
+
     if hasattr(pool, "k_buffer"):
         parts = [
-            (f"{kind}{layer}", layer, bufs[layer])
+            (f"{kind}{layer}", layer_of(layer), bufs[layer])
             for layer in range(len(pool.k_buffer))
             for kind, bufs in (("k", pool.k_buffer), ("v", pool.v_buffer))
         ]
     else:
-        parts = [(f"kv{layer}", layer, t) for layer, t in enumerate(pool.kv_buffer)]
+        parts = [
+            (f"kv{layer}", layer_of(layer), t) for layer, t in enumerate(pool.kv_buffer)
+        ]
     groups: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
     for part, layer, t in parts:
         if not t.is_contiguous() or t.dim() < 1 or t.shape[0] < page_size:
@@ -398,6 +460,8 @@ def _pool_layouts(source: str, pool: Any, page_size: int) -> list[PoolLayout]:
                 spans=spans,
                 mem_type="DRAM" if device.type == "cpu" else "VRAM",
                 device_id=device.index or 0,
+                indices_from="swa" if source == "swa" else "kv",
+                trailing=source == "swa",
                 tensors=tuple(t for _, _, t in members),
             )
         )

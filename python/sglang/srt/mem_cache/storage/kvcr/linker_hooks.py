@@ -3,7 +3,8 @@
 SGLang 0.5.23's ``UnifiedCacheLinker`` has no way to see a request before its
 ``lookup``. These hooks add one: the scheduler hands the request's device-uncached
 tail to ``prepare_request`` at enqueue, polls ``preparation_ready`` (MIN-reduced
-across the attention group) before admitting it, and reports the end of the request
+across the attention group) before admitting it, tells ``note_admission`` what each
+gate pass held back or let through, and reports the end of the request
 through ``release_request`` (abort) and ``finish_request`` (every release). Linkers
 that do not subclass ``PreparationHooks`` are driven exactly as before: the
 integration reads every hook with ``getattr`` and these defaults.
@@ -43,6 +44,9 @@ class PreparationHooks:
         """True when the request may be admitted (done, or past its deadline)."""
         return True
 
+    def note_admission(self, rids: list[str], ready: list[bool]) -> None:
+        """One gate pass over the waiting queue: ``ready[i]`` admits ``rids[i]``."""
+
     def release_request(self, rid: str) -> None:
         """The request was aborted before it ran: drop everything held for it."""
 
@@ -59,6 +63,7 @@ HOOK_NAMES = (
     "publishes_external_events",
     "prepare_request",
     "preparation_ready",
+    "note_admission",
     "release_request",
     "finish_request",
     "take_removed_page_hashes",

@@ -27,10 +27,10 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StageJob:
-    """Copy ``device_pages`` into ``slots`` (same order), then run ``submit``."""
+    """Per pool, copy device pages into staging slots (same order), then run
+    ``submit``. ``copies``: ``(pool name, device pages, slots)``."""
 
-    device_pages: tuple[int, ...]
-    slots: tuple[int, ...]
+    copies: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]
     events: tuple[Any, ...]
     submit: Callable[[], None]
     fail: Callable[[BaseException], None]
@@ -109,9 +109,7 @@ class HostStaging:
     def wait_idle(self, timeout_s: float) -> bool:
         """Block until every queued copy has been handed on; False at the deadline."""
         done = threading.Event()
-        self._jobs.put(
-            StageJob((), (), (), submit=done.set, fail=lambda exc: done.set())
-        )
+        self._jobs.put(StageJob((), (), submit=done.set, fail=lambda exc: done.set()))
         return done.wait(timeout_s)
 
     def close(self, timeout_s: float) -> None:
@@ -127,7 +125,7 @@ class HostStaging:
             try:
                 for event in job.events:
                     event.synchronize()
-                if job.device_pages:
+                if job.copies:
                     self._copy(job, stream)
             except BaseException as exc:
                 logger.exception("KVCR offload staging copy failed")
@@ -139,11 +137,13 @@ class HostStaging:
                 logger.exception("KVCR offload could not be submitted")
 
     def _copy(self, job: StageJob, stream: Any) -> None:
-        pages = torch.tensor(job.device_pages, dtype=torch.long)
-        slots = torch.tensor(job.slots, dtype=torch.long)
-        for pool in self._pools:
-            staged = self.buffers[pool.name]
-            for part, rows in enumerate(self._sources[pool.name]):
+        for name, device_pages, slot_list in job.copies:
+            if not device_pages:
+                continue
+            pages = torch.tensor(device_pages, dtype=torch.long)
+            slots = torch.tensor(slot_list, dtype=torch.long)
+            staged = self.buffers[name]
+            for part, rows in enumerate(self._sources[name]):
                 if stream is not None and rows.is_cuda:
                     with torch.cuda.stream(stream):
                         picked = rows.index_select(0, pages.to(rows.device))

@@ -1,0 +1,417 @@
+"""Sliding-window (SWA) pools: KVCR pools ``kv`` + ``swa`` over a real CPU SWAKVPool.
+
+A FULL+SWA model keeps full-attention layers in one MHA sub-pool and window layers
+in another, addressed by separate device indices. The linker stores both per page,
+and a boundary is restorable only when every page up to it has full-attention KV
+and its trailing window has SWA KV; the restorable set is sparse when a window page
+in the middle is missing (0.5.23's restorable-boundary convention). Real kvcr + NIXL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+from sglang.srt.mem_cache.storage.kvcr.kvcr_direct_linker import KVCRDirectLinker
+from sglang.srt.mem_cache.storage.kvcr.kvcr_layout import KVCRLayoutError
+from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
+
+pytestmark = pytest.mark.kvcr
+
+PAGE = 4
+HEADS = 2
+DIM = 8
+TOKENS = 64 * PAGE
+FULL_LAYERS = (0, 2)
+SWA_LAYERS = (1, 3)
+WINDOW_PAGES = 2
+FULL_SWA = {ComponentType.FULL, ComponentType.SWA}
+
+
+class _Allocator:
+    def __init__(self, kvcache):
+        self._kvcache = kvcache
+
+    def get_kvcache(self):
+        return self._kvcache
+
+
+def make_swa_pool():
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    return SWAKVPool(
+        size=TOKENS,
+        size_swa=TOKENS,
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        head_num=HEADS,
+        head_dim=DIM,
+        swa_attention_layer_ids=list(SWA_LAYERS),
+        full_attention_layer_ids=list(FULL_LAYERS),
+        device="cpu",
+    )
+
+
+def make_linker(pool, components=FULL_SWA):
+    config = {
+        "local_dram_bytes_per_worker": 1 << 20,
+        "operation_timeout_ms": 5000,
+        "abandon_timeout_ms": 10000,
+        "preparation_timeout_ms": 2000,
+    }
+    server_args = SimpleNamespace(
+        model_path="tiny-swa", revision=None, speculative_draft_model_path=None
+    )
+    params = SimpleNamespace(
+        token_to_kv_pool_allocator=_Allocator(pool),
+        page_size=PAGE,
+        attn_tp_cache_group=None,
+        tp_cache_group=None,
+    )
+    return KVCRDirectLinker(
+        server_args,
+        params,
+        components=set(components),
+        extra_config=config,
+        forward_stream=None,
+    )
+
+
+@pytest.fixture
+def pool():
+    return make_swa_pool()
+
+
+@pytest.fixture
+def linker(pool):
+    lk = make_linker(pool)
+    yield lk
+    lk.close()
+
+
+def hashes(n, salt="s"):
+    return [hashlib.sha256(f"{salt}{i}".encode()).hexdigest() for i in range(n)]
+
+
+def slots(pages):
+    return torch.tensor([p * PAGE + t for p in pages for t in range(PAGE)])
+
+
+def transfers(keys, kv_pages=None, window_keys=None, swa_pages=None):
+    """A KV transfer over ``keys`` and an SWA transfer over ``window_keys`` (by
+    default the trailing WINDOW_PAGES of ``keys``), as the components build them."""
+    if window_keys is None:
+        window_keys = keys[-WINDOW_PAGES:]
+    out = [
+        PoolTransfer(
+            name=PoolName.KV,
+            keys=list(keys),
+            device_indices=None if kv_pages is None else slots(kv_pages),
+            hit_policy=PoolHitPolicy.ALL_PAGES,
+        )
+    ]
+    if window_keys:
+        out.append(
+            PoolTransfer(
+                name=PoolName.SWA,
+                keys=list(window_keys),
+                device_indices=None if swa_pages is None else slots(swa_pages),
+                hit_policy=PoolHitPolicy.TRAILING_PAGES,
+            )
+        )
+    return out
+
+
+def buffers(sub_pool):
+    return [
+        b
+        for layer in range(2)
+        for b in (sub_pool.k_buffer[layer], sub_pool.v_buffer[layer])
+    ]
+
+
+def fill(sub_pool, pages, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for buf in buffers(sub_pool):
+        for p in pages:
+            buf[p * PAGE : (p + 1) * PAGE] = torch.randn(
+                PAGE, HEADS, DIM, generator=gen
+            ).to(buf.dtype)
+
+
+def page_bytes(sub_pool, page):
+    return torch.cat(
+        [
+            b[page * PAGE : (page + 1) * PAGE].reshape(-1).view(torch.uint8)
+            for b in buffers(sub_pool)
+        ]
+    )
+
+
+def wait_until(predicate, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.002)
+    raise AssertionError(f"{what} not reached within {timeout} s")
+
+
+def offload(linker, xfers):
+    assert linker.offload(xfers) is True
+    wait_until(lambda: linker.num_completed_offloads() >= 1, what="offload")
+    return linker.pop_completed_offload()
+
+
+def prepare(linker, rid, keys):
+    handle = linker.prepare_request(LinkerRequestContext(rid), transfers(keys))
+    wait_until(lambda: linker.preparation_ready(handle), what="preparation")
+
+
+def test_layout_has_a_window_pool_on_model_layers(pool, linker):
+    kv, swa = linker.layout.pool("kv"), linker.layout.pool("swa")
+    assert not kv.trailing and swa.trailing and swa.indices_from == "swa"
+    assert sorted({s.layer for s in kv.spans}) == list(FULL_LAYERS)
+    assert sorted({s.layer for s in swa.spans}) == list(SWA_LAYERS)
+    assert linker.num_layers == 4
+    assert set(linker.pools) == {PoolName.KV, PoolName.SWA}  # the wrapper restores SWA
+
+
+def test_full_and_window_pages_round_trip_byte_exact(pool, linker):
+    """Full layers of every page and window layers of the trailing pages land in
+    the load's own slots of each sub-pool; nothing else changes."""
+    full, window = pool.full_kv_pool, pool.swa_kv_pool
+    keys = hashes(4)
+    fill(full, [1, 2, 3, 4], seed=1)
+    fill(window, [5, 6], seed=2)
+    want_full = [page_bytes(full, p).clone() for p in (1, 2, 3, 4)]
+    want_window = [page_bytes(window, p).clone() for p in (5, 6)]
+    untouched = (page_bytes(full, 30).clone(), page_bytes(window, 30).clone())
+    assert offload(linker, transfers(keys, [1, 2, 3, 4], keys[2:], [5, 6])) is True
+    fill(full, [1, 2, 3, 4], seed=3)
+    fill(window, [5, 6], seed=4)
+
+    prepare(linker, "r", keys)
+    assert linker.lookup("r", transfers(keys)) == [4]  # windows of 1..3 reach pages 0-1
+    assert linker.load("r", transfers(keys, [10, 11, 12, 13], keys[2:], [20, 21]))
+    index = linker.start_layer_wise_loading()
+    assert linker.finish_layer_wise_loading(index) is True
+    for want, page in zip(want_full, (10, 11, 12, 13), strict=True):
+        assert torch.equal(page_bytes(full, page), want)
+    for want, page in zip(want_window, (20, 21), strict=True):
+        assert torch.equal(page_bytes(window, page), want)
+    assert torch.equal(page_bytes(full, 30), untouched[0])
+    assert torch.equal(page_bytes(window, 30), untouched[1])
+    assert linker.claims_held() == 0
+
+
+def test_restorable_set_is_sparse_where_a_window_page_is_missing(pool, linker):
+    """SWA KV for pages 0,1,4,5 but not 2,3 (window 2): boundaries 1, 2 and 6."""
+    keys = hashes(6, "sp")
+    fill(pool.full_kv_pool, range(1, 7), seed=5)
+    fill(pool.swa_kv_pool, range(1, 7), seed=6)
+    first = transfers(keys[:2], [1, 2], keys[:2], [1, 2])
+    rest = transfers(keys[2:], [3, 4, 5, 6], keys[4:], [5, 6])
+    assert offload(linker, first) is True and offload(linker, rest) is True
+    prepare(linker, "sp", keys)
+    assert linker.lookup("sp", transfers(keys)) == [1, 2, 6]
+    # A tail shorter than the window needs window KV for all of it.
+    prepare(linker, "short", keys[:3])
+    assert linker.lookup("short", transfers(keys[:3], window_keys=keys[1:3])) == [1, 2]
+
+
+def test_restore_of_a_middle_boundary_uses_that_boundary_s_window(pool, linker):
+    """Restoring boundary 2 of the sparse set copies full KV of pages 0-1 and window
+    KV of pages 0-1; the claims past the boundary are released with the request."""
+    keys = hashes(6, "mid")
+    fill(pool.full_kv_pool, range(1, 7), seed=7)
+    fill(pool.swa_kv_pool, range(1, 7), seed=8)
+    want = [page_bytes(pool.full_kv_pool, p).clone() for p in (1, 2)]
+    want_window = [page_bytes(pool.swa_kv_pool, p).clone() for p in (1, 2)]
+    assert offload(linker, transfers(keys[:2], [1, 2], keys[:2], [1, 2])) is True
+    assert offload(linker, transfers(keys[2:], [3, 4, 5, 6], keys[4:], [5, 6])) is True
+    prepare(linker, "m", keys)
+    assert 2 in linker.lookup("m", transfers(keys))
+    assert linker.load("m", transfers(keys[:2], [40, 41], keys[:2], [40, 41]))
+    assert linker.finish_layer_wise_loading(linker.start_layer_wise_loading())
+    for got, expected in zip(
+        [page_bytes(pool.full_kv_pool, p) for p in (40, 41)], want, strict=True
+    ):
+        assert torch.equal(got, expected)
+    for got, expected in zip(
+        [page_bytes(pool.swa_kv_pool, p) for p in (40, 41)], want_window, strict=True
+    ):
+        assert torch.equal(got, expected)
+    assert linker.claims_held() > 0  # pages 2-5 are still claimed for the request
+    linker.release_request("m")
+    assert linker.claims_held() == 0
+
+
+def test_load_without_window_claims_fails_rather_than_restoring_stale_window(
+    pool, linker
+):
+    """A load whose window pages are not claimed fails the batch (no bytes move)."""
+    keys = hashes(3, "nw")
+    fill(pool.full_kv_pool, [1, 2, 3], seed=9)
+    assert offload(linker, transfers(keys, [1, 2, 3], window_keys=[])) is True
+    prepare(linker, "nw", keys)
+    assert linker.lookup("nw", transfers(keys)) == []
+    before = page_bytes(pool.swa_kv_pool, 50).clone()
+    assert linker.load("nw", transfers(keys, [50, 51, 52], keys[1:], [50, 51]))
+    assert linker.finish_layer_wise_loading(linker.start_layer_wise_loading()) is False
+    assert torch.equal(page_bytes(pool.swa_kv_pool, 50), before)
+    linker.release_request("nw")
+    assert linker.claims_held() == 0
+
+
+def test_mamba_components_are_refused_naming_the_flag(pool):
+    with pytest.raises(
+        KVCRLayoutError, match=r"Mamba.*--unified-cache-external-linker"
+    ):
+        make_linker(pool, {ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA})
+
+
+def test_swa_component_needs_a_swa_pool():
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    plain = MHATokenToKVPool(
+        TOKENS,
+        PAGE,
+        torch.bfloat16,
+        HEADS,
+        DIM,
+        2,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    with pytest.raises(KVCRLayoutError, match="SWA needs an SWAKVPool"):
+        make_linker(plain, FULL_SWA)
+    with pytest.raises(KVCRLayoutError, match="SWA needs an SWAKVPool"):
+        make_linker(make_swa_pool(), {ComponentType.FULL})
+
+
+def test_swa_digest_differs_from_a_plain_pool_of_the_same_geometry(pool, linker):
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    plain = MHATokenToKVPool(
+        TOKENS,
+        PAGE,
+        torch.bfloat16,
+        HEADS,
+        DIM,
+        4,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    other = make_linker(plain, {ComponentType.FULL})
+    try:
+        assert other.layout.compatibility_digest != linker.layout.compatibility_digest
+    finally:
+        other.close()
+
+
+# ---- through SGLang's wrapper and a real FULL+SWA UnifiedRadixCache ---------------
+
+
+@pytest.fixture(scope="module")
+def plugin_hooks():
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+
+
+def test_swa_tail_restores_through_the_unified_cache_bit_exact(plugin_hooks):
+    """Insert (write-through to KVCR), evict from the device, then a request's match,
+    load_back and layer-wise restore put back full KV for the tail and window KV
+    for its trailing window, where the SWA component maps the private slots."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.base_prefix_cache import (
+        EvictParams,
+        InitLoadBackParams,
+        InsertParams,
+        MatchPrefixParams,
+    )
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from cpu_harness import kvcr_stack
+
+    geometry = kvcr_stack.Geometry(
+        page=PAGE,
+        layers=4,
+        heads=HEADS,
+        dim=DIM,
+        pool_tokens=TOKENS,
+        sliding_window=WINDOW_PAGES * PAGE,
+    )
+    config = {
+        "local_dram_bytes_per_worker": 1 << 20,
+        "operation_timeout_ms": 5000,
+        "abandon_timeout_ms": 10000,
+        "preparation_timeout_ms": 10000,
+    }
+    stack = kvcr_stack.build_stack(config, geometry)
+    cache, linker, allocator = stack.cache, stack.linker, stack.allocator
+    full, window = stack.kvcache.full_kv_pool, stack.kvcache.swa_kv_pool
+    try:
+        assert set(linker.pools) == {PoolName.KV, PoolName.SWA}
+        tokens = list(range(100, 100 + 5 * PAGE))
+        n = torch.tensor([len(tokens)])
+        zero, last = torch.tensor([0]), torch.tensor([-1])
+        slots = allocator.alloc_extend(zero, zero, n, n, last, len(tokens))
+        swa_slots = allocator.translate_loc_from_full_to_swa(slots)
+        gen = torch.Generator().manual_seed(11)
+        for sub, idx in ((full, slots), (window, swa_slots)):
+            for buf in buffers(sub):
+                buf[idx] = torch.randn(len(idx), HEADS, DIM, generator=gen).to(
+                    buf.dtype
+                )
+        want_full = torch.cat([b[slots] for b in buffers(full)])
+        tail = slice(len(tokens) - WINDOW_PAGES * PAGE, len(tokens))
+        want_window = torch.cat([b[swa_slots[tail]] for b in buffers(window)])
+        key = RadixKey(array("q", tokens))
+        cache.insert(InsertParams(key=key, value=slots))
+
+        def committed():
+            cache.check_hicache_events()
+            return not cache.linker.pending_offloads
+
+        wait_until(committed, what="offloads committed")
+        cache.evict(EvictParams(num_tokens=len(tokens), swa_num_tokens=len(tokens)))
+        probe = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+        assert probe.device_prefix_len == 0
+        for sub in (full, window):
+            for buf in buffers(sub):
+                buf.zero_()
+
+        req = Req(
+            "swa", "", array("q", [*tokens, 1, 2]), SamplingParams(max_new_tokens=1)
+        )
+        req.init_next_round_input(cache)
+        assert req.host_hit_length == len(tokens)
+        loaded = cache.init_load_back(
+            InitLoadBackParams(
+                best_match_node=req.best_match_node,
+                host_hit_length=req.host_hit_length,
+                req=req,
+            )
+        )
+        assert loaded[0] == len(tokens)
+        private = cache.linker.private_load_indices[req.rid].clone()
+        assert cache.ready_to_load_host_cache() >= 0
+        assert cache.finish_external_linker_loads([req]) == []
+        assert torch.equal(torch.cat([b[private] for b in buffers(full)]), want_full)
+        private_window = allocator.translate_loc_from_full_to_swa(private[tail])
+        got_window = torch.cat([b[private_window] for b in buffers(window)])
+        assert torch.equal(got_window, want_window)
+        assert linker.claims_held() == 0
+    finally:
+        linker.close()
