@@ -91,17 +91,18 @@ class Target:
         }[self.op]
 
 
+# The CPU targets (ratios measured side by side in this run).
 TARGETS: dict[str, Target | None] = {
-    "zero_hit_ttft_ratio": Target("ratio", "<=", 1.10),
-    "restore_copy_vs_torch_copy": Target("ratio", ">=", 0.5),
-    "offload_vs_nixl_loopback": Target("ratio", ">=", 0.5),
-    "zero_hit_prepare_us_p50": Target("value", "<=", 50.0),
+    "zero_hit_ttft_ratio": Target("ratio", "<=", 1.05),
+    "restore_copy_vs_torch_copy": Target("ratio", ">=", 0.8),
+    "offload_vs_nixl_loopback": Target("ratio", ">=", 0.7),
+    "zero_hit_prepare_us_p50": Target("value", "<=", 100.0),
     "zero_hit_owner_commands": Target("value", "==", 0),
     # Off the critical path (prepared at enqueue) and replacing a whole prefill;
     # dominated by KVCR's own fetch of 47 blocks of 56 parts (~3 ms of Python).
     "hit_prepare_us_p50": Target("value", "<=", 10000.0),
     "hint_prepare_us_p50": None,  # informational: bound by the peer transfer
-    "hook_overhead_us_p50": Target("value", "<=", 200.0),
+    "hook_overhead_us_p50": Target("value", "<=", 150.0),
     "linker_idle_cpu_pct": None,  # informational: background cost of an idle linker
 }
 

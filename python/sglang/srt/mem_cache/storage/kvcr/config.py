@@ -124,6 +124,15 @@ class KVCRLinkerConfig:
             "idle KVCR; off, KVCR's own progress loop drives NIXL without spinning."
         ),
     )
+    progress_idle_ms: int = dataclasses.field(
+        default=5,
+        metadata=_doc(
+            "Longest an idle KVCR progress loop sleeps (kvcr itself wakes every 1 ms, "
+            "taking the GIL next to the forward). This worker's own operations wake "
+            "it at once; a peer's first request to an idle worker may wait this long. "
+            "0 keeps kvcr's 1 ms loop."
+        ),
+    )
     offload_path: str = dataclasses.field(
         default="auto",
         metadata=_doc(
@@ -166,6 +175,7 @@ class KVCRLinkerConfig:
             raise _error("owner_wait_timeout_s", "must be in (0, 3600] seconds")
         if not isinstance(self.nixl_progress_thread, bool):
             raise _error("nixl_progress_thread", "must be true or false")
+        _require_int(self, "progress_idle_ms", minimum=0, maximum=1000)
         if self.offload_path not in _OFFLOAD_PATHS:
             raise _error("offload_path", f"must be one of {list(_OFFLOAD_PATHS)}")
         if self.eviction_policy not in _EVICTION_POLICIES:

@@ -27,6 +27,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
+from sglang.srt.mem_cache.storage.kvcr import progress_pacer
 from sglang.srt.mem_cache.storage.kvcr.errors import (
     KVCRAdapterFailed,
     KVCRTimeoutError,
@@ -37,8 +38,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _STOP = object()
-_BUSY_POLL_S = 0.0002  # owner loop period while operations are in flight
-_IDLE_POLL_S = 0.005  # while idle: still polls, so this rank keeps serving peers
+_BUSY_POLL_S = 0.0005  # owner loop period while operations are in flight
+# While idle it still polls (KVCR runs pin callbacks and inventory events inside
+# poll_completed); commands wake it at once.
+_IDLE_POLL_S = 0.02
 _MAX_COMMANDS_PER_TURN = 64
 
 
@@ -394,6 +397,8 @@ class KVCRAdapter:
                     self._poll()
                     return
                 self._execute(command)
+            if batch:
+                progress_pacer.wake()  # KVCR has new work: its loop polls now
             self._poll()
 
     def _execute(self, command: object) -> None:
@@ -577,10 +582,12 @@ def make_kvcr_factory(
     abandon_timeout_ms: int,
     eviction_policy: str,
     nixl_progress_thread: bool,
+    progress_idle_ms: int = 0,
 ) -> Callable[[Callbacks], Any]:
     """A factory that builds the real KVCR on the owner thread."""
 
     def build(callbacks: Callbacks) -> Any:
+        progress_pacer.configure(progress_idle_ms)
         from kvcr import KVCR, KVCRBindings
         from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions
         from kvcr.control_channels import ZmqPeerControlChannel

@@ -265,6 +265,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             "abandon_timeout_ms": cfg.abandon_timeout_ms,
             "eviction_policy": cfg.eviction_policy,
             "nixl_progress_thread": cfg.nixl_progress_thread,
+            "progress_idle_ms": cfg.progress_idle_ms,
         }
         self._limits = AdapterLimits(
             max_inflight_offload_bytes=cfg.max_inflight_offload_bytes,

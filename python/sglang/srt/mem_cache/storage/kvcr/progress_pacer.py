@@ -1,0 +1,64 @@
+"""Idle pacing for KVCR's ``kvcr-progress`` thread.
+
+kvcr 0.1.1's progress loop wakes every millisecond while idle and runs Python each
+time, so an idle worker takes the GIL a thousand times a second next to the model's
+forward. Once installed, an idle iteration (no submissions, operations, transfers
+or results) waits up to ``progress_idle_ms`` instead, and any command the adapter
+hands KVCR wakes every progress loop at once, so this worker's own operations start
+without delay; only a peer's first request to an idle worker can wait up to the idle
+period. ``progress_idle_ms = 0`` leaves KVCR's own loop untouched. kvcr offers no
+such setting, so ``_KVCRProgress._run_one_iteration`` is wrapped once per process.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+_COND = threading.Condition()
+_LOCK = threading.Lock()
+_generation = 0
+_idle_s = 0.0
+_installed = False
+
+
+def configure(idle_ms: int) -> None:
+    """Set the idle wait (process-wide) and install the wrapper when it is > 0."""
+    global _idle_s, _installed
+    with _LOCK:
+        _idle_s = max(0, idle_ms) / 1000.0
+        if _installed or _idle_s == 0:
+            return
+        from kvcr import progress
+
+        original = progress._KVCRProgress._run_one_iteration
+
+        def paced(self: Any) -> bool:
+            seen = _generation
+            did = original(self)
+            idle = _idle_s
+            if (
+                did
+                or idle <= 0
+                or self._in_flight_ops
+                or getattr(self, "_active_transfers", None)
+                or self._completed_backlog
+                or self._stop_requested
+            ):
+                return bool(did)
+            with _COND:
+                _COND.wait_for(lambda: _generation != seen, timeout=idle)
+            return True  # the loop re-polls at once instead of sleeping again
+
+        progress._KVCRProgress._run_one_iteration = paced
+        _installed = True
+
+
+def wake() -> None:
+    """Work was handed to KVCR: every paced progress loop polls now."""
+    global _generation
+    if not _installed:
+        return
+    with _COND:
+        _generation += 1
+        _COND.notify_all()
