@@ -1,9 +1,10 @@
 """KVCRDirectLinker: SGLang 0.5.23's UnifiedCacheLinker contract backed by KVCR.
 
 Ownership: every KVCR call runs on the adapter's owner thread; this class runs on
-the scheduler thread and only enqueues commands and drains typed results, except
-the restore copy, which a loader thread performs from claimed KVCR DRAM slots into
-the request's private device slots and then completes the layer counter. Offloads
+the scheduler thread and only enqueues commands and drains typed results. The
+restore copy (claimed KVCR DRAM slots into the request's private device slots,
+completing the layer counter layer by layer) runs on a loader thread beside the
+forward for GPU pools, and inline at ``start_layer_wise_loading`` for CPU pools. Offloads
 are accepted deterministically (results are paired by position across ranks) and
 fail through the FIFO result. A request's tail is *prepared*: pages resident here
 or named by a ``kv.fetch`` hint are fetched into local KVCR DRAM, and each page
@@ -761,7 +762,13 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self._queued_loads.clear()
         index = self.layer_done_counter.update_producer()
         self._batches[index] = jobs
-        self._loader_jobs.put((index, jobs))
+        if self._is_cuda:
+            self._loader_jobs.put((index, jobs))  # layer by layer beside the forward
+        else:
+            # CPU pools: copy now on this thread's intra-op threads. The forward
+            # needs the same cores, and a loader thread's own OpenMP team would
+            # contend with the scheduler's for them.
+            self._run_copy(index, jobs)
         return index
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
@@ -893,22 +900,22 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         record = self._offload_fifo.popleft()
         return bool(record[1])
 
-    # ---- restore copy (loader thread; touches no KVCR API) ------------------------
+    # ---- restore copy (loader thread or inline; touches no KVCR API) -------------
 
     def _loader_main(self) -> None:
         while True:
             item = self._loader_jobs.get()
             if item is None:
                 return
-            index, jobs = item
-            try:
-                self._copy_batch(index, jobs)
-            except BaseException as exc:
-                logger.exception(
-                    "KVCR restore copy failed; no new restores until restart"
-                )
-                self._restore_failed = True
-                self.layer_done_counter.fail(index, exc)
+            self._run_copy(*item)
+
+    def _run_copy(self, index: int, jobs: list[_LoadJob]) -> None:
+        try:
+            self._copy_batch(index, jobs)
+        except BaseException as exc:
+            logger.exception("KVCR restore copy failed; no new restores until restart")
+            self._restore_failed = True
+            self.layer_done_counter.fail(index, exc)
 
     def _copy_batch(self, index: int, jobs: list[_LoadJob]) -> None:
         jobs = [job for job in jobs if job.complete]

@@ -63,9 +63,9 @@ def wide_rows(rows: torch.Tensor) -> torch.Tensor:
 class CpuRestorePlan:
     """How one batch's pages move, computed once and replayed for every part.
 
-    Each source run becomes a strided view of KVCR DRAM and one ``index_copy_``
-    into the destination rows: one pass over the bytes, on torch's intra-op
-    threads. When the source is too fragmented for that (many short runs, as
+    Each source run becomes a strided view of KVCR DRAM and one ``copy_`` into
+    consecutive destination rows, or one ``index_copy_`` into scattered ones: one
+    pass over the bytes, on torch's intra-op threads. When the source is too fragmented for that (many short runs, as
     after heavy churn), each part is gathered with one ``index_select`` and
     scattered with one ``index_copy_`` instead of thousands of row copies.
     """
@@ -77,6 +77,15 @@ class CpuRestorePlan:
         segments = plan_segments(src_slots)
         self.fragmented = len(segments) > self.MAX_SEGMENTS
         self.segments = segments
+        # Segments whose destination pages are consecutive too: a plain copy_.
+        self.dest_runs = {
+            seg.start
+            for seg in segments
+            if all(
+                dest_pages[i + 1] == dest_pages[i] + 1
+                for i in range(seg.start, seg.stop - 1)
+            )
+        }
         self.src_slots = src_slots
         self._gather: dict[int, torch.Tensor] = {}
 
@@ -100,7 +109,11 @@ class CpuRestorePlan:
                 (seg.stride * src.stride(0), src.stride(1)),
                 src.storage_offset() + seg.first[part] * src.stride(0),
             )
-            dst.index_copy_(0, self.dest[seg.start : seg.stop], view)
+            if seg.start in self.dest_runs:
+                first = int(self.dest[seg.start])
+                dst[first : first + n].copy_(view)
+            else:
+                dst.index_copy_(0, self.dest[seg.start : seg.stop], view)
 
 
 class CudaRowGather:
