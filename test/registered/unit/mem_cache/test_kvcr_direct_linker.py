@@ -292,6 +292,52 @@ def test_offload_results_stay_positional_when_refused(pool):
         lk.close()
 
 
+def test_split_offload_has_one_fifo_result_and_restores_every_page(pool, monkeypatch):
+    """A large offload goes to KVCR as two deposits but stays one FIFO result."""
+    from sglang.srt.mem_cache.storage.kvcr import kvcr_direct_linker
+
+    monkeypatch.setattr(kvcr_direct_linker, "_SPLIT_DEPOSIT_BYTES", 0)
+    lk = make_linker(pool)
+    try:
+        fill_pages(pool, [1, 2, 3], seed=21)
+        originals = [page_bytes(pool, p).clone() for p in (1, 2, 3)]
+        hashes = page_hashes(3, "split")
+        before = lk._adapter.stats().deposits
+        assert offload_and_commit(lk, hashes, [1, 2, 3]) is True
+        assert lk.num_completed_offloads() == 0
+        assert lk._adapter.stats().deposits - before == 2
+        handle = lk.prepare_request(LinkerRequestContext("sp"), kv_transfer(hashes))
+        wait_until(lambda: lk.preparation_ready(handle), what="preparation")
+        assert lk.lookup("sp", kv_transfer(hashes)) == [1, 2, 3]
+        assert restore(lk, "sp", hashes, [30, 31, 32]) is True
+        for original, page in zip(originals, (30, 31, 32), strict=True):
+            assert torch.equal(page_bytes(pool, page), original)
+    finally:
+        lk.close()
+
+
+def test_split_offload_with_a_refused_half_fails_as_a_whole(pool, monkeypatch):
+    """One half over the in-flight byte budget fails the offload's single result."""
+    from sglang.srt.mem_cache.storage.kvcr import kvcr_direct_linker
+
+    monkeypatch.setattr(kvcr_direct_linker, "_SPLIT_DEPOSIT_BYTES", 0)
+    page_total = LAYERS * 2 * PAGE * HEADS * DIM * 2
+    lk = make_linker(pool, max_inflight_offload_bytes=2 * page_total)
+    try:
+        fill_pages(pool, [1, 2, 3, 4], seed=22)
+        assert lk.offload(kv_transfer(page_hashes(4, "half"), [1, 2, 3, 4])) is True
+        wait_until(lambda: lk.num_completed_offloads() == 1, what="first result")
+        # The halves charge 2 pages each: the second is refused while the first
+        # is in flight, so the whole offload fails.
+        assert lk.pop_completed_offload() is False
+        assert lk._adapter.stats().refused_offload == 1
+        assert lk.offload(kv_transfer(page_hashes(1, "next"), [5])) is True
+        wait_until(lambda: lk.num_completed_offloads() == 1, what="next result")
+        assert lk.pop_completed_offload() is True
+    finally:
+        lk.close()
+
+
 def test_missing_claim_at_load_fails_the_batch_instead_of_loading_wrong_kv(
     pool, linker
 ):

@@ -397,11 +397,13 @@ class KVCRAdapter:
                     self._poll()
                     return
                 self._execute(command)
-            if batch:
-                progress_pacer.wake()  # KVCR has new work: its loop polls now
             self._poll()
 
     def _execute(self, command: object) -> None:
+        self._execute_command(command)
+        progress_pacer.wake()  # KVCR may have new work: its progress loop polls now
+
+    def _execute_command(self, command: object) -> None:
         kv = self._kvcr
         if isinstance(command, Deposit):
             handle = kv.deposit(dict(command.blocks))

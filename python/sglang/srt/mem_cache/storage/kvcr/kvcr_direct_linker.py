@@ -72,6 +72,9 @@ logger = logging.getLogger(__name__)
 _STATS_LOG_PERIOD_S = 30.0
 _INCARNATIONS = itertools.count(1)
 _LAZY_PREPARE_WAIT_S = 0.25
+# Direct offloads this large go to KVCR as two deposits (see
+# _submit_deferred_deposits); smaller ones as one.
+_SPLIT_DEPOSIT_BYTES = 64 << 20
 # Requests the readiness gate holds back, tracked for the admission wait; a
 # request that leaves without a release only ages out past this bound.
 _MAX_HELD_TRACKED = 4096
@@ -143,6 +146,19 @@ class _Held:
 
     since: float  # monotonic time of the first pass that held it
     passes: int = 1
+
+
+@dataclasses.dataclass(slots=True)
+class _Offload:
+    """One ``offload()`` call's FIFO result, settled when all its deposits are."""
+
+    nbytes: int = 0
+    pending: int = 0  # deposits submitted and not yet completed
+    ok: bool = True
+    result: bool | None = None
+
+    def fail(self) -> None:
+        self.ok, self.result = False, False
 
 
 @dataclasses.dataclass(slots=True)
@@ -281,11 +297,11 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self._held: dict[str, _Held] = {}  # rid -> held by the readiness gate
         self._op_owner: dict[int, tuple[str, int]] = {}  # fetch op -> (rid, bytes)
         self._abandoned: dict[int, int] = {}  # fetch op of a dropped prep -> bytes
-        self._offload_fifo: collections.deque[list[Any]] = collections.deque()
-        self._offload_pending: dict[int, list[Any]] = {}
+        self._offload_fifo: collections.deque[_Offload] = collections.deque()
+        self._offload_pending: dict[int, _Offload] = {}  # deposit op -> offload
         # Direct-path offloads built and submitted by the next pump:
-        # (op id, [(KVCR pool, page hash, device page, ordinal)], bytes).
-        self._deferred_deposits: list[tuple[int, list[Any], int]] = []
+        # (offload, [(KVCR pool, page hash, device page, ordinal)]).
+        self._deferred_deposits: list[tuple[_Offload, list[Any]]] = []
         self._resident: set[bytes] = set()
         self._removed_hashes: list[str] = []
         self._queued_loads: dict[str, _LoadJob] = {}
@@ -441,11 +457,14 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             self._staging.free(slots)
         if record is None:
             return
-        ok = all(e.status is EntryStatus.SUCCESS for e in done.entries.values())
-        record[1] = ok
-        if ok:
-            self.stats.offloaded_bytes += record[2]
-        if not ok:
+        record.ok &= all(e.status is EntryStatus.SUCCESS for e in done.entries.values())
+        record.pending -= 1
+        if record.pending:
+            return
+        record.result = record.ok  # stored only if every object of it succeeded
+        if record.ok:
+            self.stats.offloaded_bytes += record.nbytes
+        else:
             self.stats.offload_failures += 1
 
     def _on_fetch_done(self, done: OpDone) -> None:
@@ -799,13 +818,13 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
     def offload(
         self, transfers: list[PoolTransfer], session_id: str | None = None
     ) -> bool:
-        record: list[Any] = [None, None, 0]  # [op id, result, bytes]
+        record = _Offload()
         self._offload_fifo.append(record)
         self.stats.offloads += 1
         by_name = {t.name: t for t in transfers}
         kv = by_name.get(PoolName.KV)
         if kv is None or not kv.keys:
-            record[1] = False
+            record.fail()
             return True
         # (pool, page hash, device page, staging ordinal) per KVCR block; window
         # pools store the SWA transfer's pages (those still holding window KV).
@@ -837,11 +856,9 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             slots = staging.alloc(len(kv_keys))
             if slots is None:
                 self.stats.offload_staging_full += 1
-                record[1] = False  # backpressure: the staging area is full
+                record.fail()  # backpressure: the staging area is full
                 return True
-        op_id = self._adapter.next_op_id()
-        record[0], record[2] = op_id, nbytes
-        self._offload_pending[op_id] = record
+        record.nbytes = nbytes
         events = tuple(self.record_offload_ready()) if self._is_cuda else ()
         if staging is None or slots is None:
             # Direct path: built and submitted at the next pump (the scheduler's
@@ -850,8 +867,11 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             # this thread, which has the batch's output to stream.
             for event in events:
                 event.synchronize()
-            self._deferred_deposits.append((op_id, items, nbytes))
+            self._deferred_deposits.append((record, items))
             return True
+        op_id = self._adapter.next_op_id()
+        record.pending = 1
+        self._offload_pending[op_id] = record
         blocks = {
             self.layout.block_key(h, pool.name): staging.memory_refs(
                 self._agent, pool, slots[i]
@@ -879,26 +899,41 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         return True
 
     def _submit_deferred_deposits(self) -> None:
+        """Large offloads go as two deposits, so KVCR's per-block Python work on
+        the owner thread for the second half overlaps the copy of the first (on
+        CPU, 0.76-0.79x of raw NIXL for a 3000-token request against 0.69-0.83x
+        as one deposit; more, smaller deposits measured slower)."""
         deferred, self._deferred_deposits = self._deferred_deposits, []
-        for op_id, items, nbytes in deferred:
-            blocks = {
-                self.layout.block_key(h, pool.name): pool.memory_refs(self._agent, p)
-                for pool, h, p, _ in items
-            }
-            self._adapter.submit(Deposit(op_id=op_id, blocks=blocks, nbytes=nbytes))
+        for record, items in deferred:
+            pages = 1 + max(item[3] for item in items)
+            half = (pages + 1) // 2 if record.nbytes >= _SPLIT_DEPOSIT_BYTES else pages
+            chunks: dict[int, list[Any]] = {}
+            for item in items:
+                chunks.setdefault(item[3] // half, []).append(item)
+            record.pending = len(chunks)
+            for chunk in chunks.values():
+                op_id = self._adapter.next_op_id()
+                self._offload_pending[op_id] = record
+                blocks = {
+                    self.layout.block_key(h, pool.name): pool.memory_refs(
+                        self._agent, p
+                    )
+                    for pool, h, p, _ in chunk
+                }
+                nbytes = sum(self._pool_page_bytes[pool.name] for pool, *_ in chunk)
+                self._adapter.submit(Deposit(op_id=op_id, blocks=blocks, nbytes=nbytes))
 
     def num_completed_offloads(self) -> int:
         self._pump()
         n = 0
         for record in self._offload_fifo:
-            if record[1] is None:
+            if record.result is None:
                 break
             n += 1
         return n
 
     def pop_completed_offload(self) -> bool:
-        record = self._offload_fifo.popleft()
-        return bool(record[1])
+        return bool(self._offload_fifo.popleft().result)
 
     # ---- restore copy (loader thread or inline; touches no KVCR API) -------------
 
