@@ -125,12 +125,12 @@ class KVCRLinkerConfig:
         ),
     )
     progress_idle_ms: int = dataclasses.field(
-        default=5,
+        default=20,
         metadata=_doc(
             "Longest an idle KVCR progress loop sleeps (kvcr itself wakes every 1 ms, "
             "taking the GIL next to the forward). This worker's own operations wake "
-            "it at once; a peer's first request to an idle worker may wait this long. "
-            "0 keeps kvcr's 1 ms loop."
+            "it at once; a peer's first request to a worker idle for 50 ms may wait "
+            "this long. 0 keeps kvcr's 1 ms loop."
         ),
     )
     offload_path: str = dataclasses.field(

@@ -38,10 +38,11 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _STOP = object()
-_BUSY_POLL_S = 0.0005  # owner loop period while operations are in flight
+_FETCH_POLL_S = 0.0005  # owner loop period while a fetch (preparation) is in flight
+_DEPOSIT_POLL_S = 0.002  # only offloads in flight: background, no one waits on them
 # While idle it still polls (KVCR runs pin callbacks and inventory events inside
 # poll_completed); commands wake it at once.
-_IDLE_POLL_S = 0.02
+_IDLE_POLL_S = 0.05
 _MAX_COMMANDS_PER_TURN = 64
 
 
@@ -381,7 +382,7 @@ class KVCRAdapter:
 
     def _loop(self) -> None:
         while True:
-            period = _BUSY_POLL_S if self._inflight else _IDLE_POLL_S
+            period = self._poll_period()
             try:
                 first = self._commands.get(timeout=period)
             except queue.Empty:
@@ -398,6 +399,13 @@ class KVCRAdapter:
                     return
                 self._execute(command)
             self._poll()
+
+    def _poll_period(self) -> float:
+        if not self._inflight:
+            return _IDLE_POLL_S
+        if any(op.kind is OpKind.FETCH for op in self._inflight.values()):
+            return _FETCH_POLL_S
+        return _DEPOSIT_POLL_S
 
     def _execute(self, command: object) -> None:
         self._execute_command(command)

@@ -3,18 +3,21 @@
 kvcr 0.1.1's progress loop wakes every millisecond while idle and runs Python each
 time, so an idle worker takes the GIL a thousand times a second next to the model's
 forward. Once installed, an idle iteration (no submissions, operations, transfers
-or results) waits up to ``progress_idle_ms`` instead, and any command the adapter
-hands KVCR wakes every progress loop at once, so this worker's own operations start
-without delay; only a peer's first request to an idle worker can wait up to the idle
-period. ``progress_idle_ms = 0`` leaves KVCR's own loop untouched. kvcr offers no
+or results, and none for 50 ms) waits up to ``progress_idle_ms`` instead, and any
+command the adapter hands KVCR wakes every progress loop at once, so this worker's
+own operations start without delay; only a peer's first request to a worker idle
+for 50 ms can wait up to the idle period. ``progress_idle_ms = 0`` leaves KVCR's own loop untouched. kvcr offers no
 such setting, so ``_KVCRProgress._run_one_iteration`` is wrapped once per process.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
+# After any work the loop keeps kvcr's 1 ms pace this long before backing off.
+_RECENT_S = 0.05
 _COND = threading.Condition()
 _LOCK = threading.Lock()
 _generation = 0
@@ -37,6 +40,7 @@ def configure(idle_ms: int) -> None:
             seen = _generation
             did = original(self)
             idle = _idle_s
+            now = time.monotonic()
             if (
                 did
                 or idle <= 0
@@ -45,7 +49,10 @@ def configure(idle_ms: int) -> None:
                 or self._completed_backlog
                 or self._stop_requested
             ):
+                self._kvcr_pacer_active = now
                 return bool(did)
+            if now - getattr(self, "_kvcr_pacer_active", 0.0) < _RECENT_S:
+                return False  # just busy (a peer may be mid-exchange): kvcr's 1 ms
             with _COND:
                 _COND.wait_for(lambda: _generation != seen, timeout=idle)
             return True  # the loop re-polls at once instead of sleeping again
