@@ -205,18 +205,35 @@ def test_inventory_events_report_stores_and_evictions(buffers):
 
 
 def test_offload_over_budget_is_refused_at_once_and_counted(buffers):
-    """A deposit beyond max_inflight_offload_bytes never reaches KVCR: REFUSED."""
+    """A deposit beyond max_inflight_offload_bytes while another is in flight never
+    reaches KVCR: REFUSED. One over the whole budget runs when it is alone."""
     fw, store = buffers
     adapter = _make(fw, store, "adapter-budget", offload_budget=2 * BLOCK)
     try:
-        op = adapter.next_op_id()
-        blocks = {_key(i): [_ref("adapter-budget", i)] for i in range(3)}
-        adapter.submit(Deposit(op_id=op, blocks=blocks, nbytes=3 * BLOCK))
-        done = _wait_for(adapter, op, timeout=1.0)
-        assert {e.status for e in done.entries.values()} == {EntryStatus.REFUSED}
+        entered, gate = threading.Event(), threading.Event()
+
+        def hold(_kvcr):
+            entered.set()
+            gate.wait(10)
+
+        stall = threading.Thread(target=adapter.call, args=(hold, 15), daemon=True)
+        stall.start()  # keeps the first deposit charged (in flight) meanwhile
+        assert entered.wait(10)
+        alone, over = adapter.next_op_id(), adapter.next_op_id()
+        big = {_key(i): [_ref("adapter-budget", i)] for i in range(3)}
+        adapter.submit(Deposit(op_id=alone, blocks=big, nbytes=3 * BLOCK))
+        one = {_key(3): [_ref("adapter-budget", 3)]}
+        adapter.submit(Deposit(op_id=over, blocks=one, nbytes=BLOCK))
+        refused = _wait_for(adapter, over, timeout=1.0)
+        assert {e.status for e in refused.entries.values()} == {EntryStatus.REFUSED}
+        gate.set()
+        stall.join(10)
+        done = _wait_for(adapter, alone, timeout=10.0)
+        assert {e.status for e in done.entries.values()} == {EntryStatus.SUCCESS}
         assert adapter.stats().refused_offload == 1
-        assert adapter.stats().deposits == 0
+        assert adapter.stats().deposits == 1
     finally:
+        gate.set()
         adapter.close()
 
 

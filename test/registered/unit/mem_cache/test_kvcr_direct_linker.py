@@ -277,17 +277,19 @@ def test_hinted_peer_pages_are_fetched_and_hint_alone_never_hits():
 
 
 def test_offload_results_stay_positional_when_refused(pool):
-    """An offload over the byte budget is still accepted and fails in FIFO order."""
+    """Offloads over the byte budget are still accepted and fail in FIFO order; one
+    larger than the whole budget runs when nothing else is in flight."""
     lk = make_linker(pool, max_inflight_offload_bytes=1)
     try:
-        fill_pages(pool, [1], seed=6)
+        fill_pages(pool, [1, 2], seed=6)
         assert lk.offload(kv_transfer(page_hashes(1, "f"), [1])) is True
+        assert lk.offload(kv_transfer(page_hashes(1, "g"), [2])) is True
         assert lk.offload(kv_transfer([], [])) is True
-        wait_until(lambda: lk.num_completed_offloads() == 2, what="two results")
-        assert [lk.pop_completed_offload(), lk.pop_completed_offload()] == [
-            False,
-            False,
-        ]
+        wait_until(lambda: lk.num_completed_offloads() == 3, what="three results")
+        results = [lk.pop_completed_offload() for _ in range(3)]
+        # The first runs alone; the second arrives while it is in flight.
+        assert results == [True, False, False]
+        assert lk._adapter.stats().refused_offload == 1
     finally:
         lk.close()
 

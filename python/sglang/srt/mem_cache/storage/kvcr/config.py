@@ -92,15 +92,18 @@ class KVCRLinkerConfig:
         default=2048 * _MIB,
         metadata=_doc(
             "Bound on offload bytes queued or in flight; beyond it offloads complete "
-            "as failed (counted as backpressure) instead of queueing. Keep it above "
-            "one request's pages (a 3000-token Qwen3-0.6B prompt is 329 MiB)."
+            "as failed (counted as backpressure) instead of queueing. One larger "
+            "offload still runs when nothing else is in flight (direct path; the "
+            "staged path also needs that many staging bytes). Keep it above one "
+            "request's pages (a 3000-token Qwen3-0.6B prompt is 329 MiB)."
         ),
     )
     max_inflight_prepare_bytes: int = dataclasses.field(
         default=512 * _MIB,
         metadata=_doc(
             "Bound on bytes being fetched for preparations; beyond it preparation "
-            "fetches are skipped and the pages recomputed."
+            "fetches are skipped and the pages recomputed (one larger fetch still "
+            "runs when nothing else is in flight)."
         ),
     )
     max_abandoned_bytes: int = dataclasses.field(

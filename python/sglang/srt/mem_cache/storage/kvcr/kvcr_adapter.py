@@ -332,8 +332,11 @@ class KVCRAdapter:
         )
         with self._stats_lock:
             s = self._stats
-            now = getattr(s, inflight) + nbytes
-            if now > limit:
+            before = getattr(s, inflight)
+            now = before + nbytes
+            # One operation larger than the whole budget still runs, alone:
+            # refusing it would refuse it forever.
+            if now > limit and before > 0:
                 setattr(s, refused, getattr(s, refused) + 1)
                 return False
             setattr(s, inflight, now)

@@ -978,12 +978,15 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
                 self._cuda_gather.copy_layer(
                     [
                         (
-                            self._dest_rows[name][part],
+                            target,
                             moves[name][0],
-                            stores[name].view(torch.uint8),
+                            store,
                             [s[part] for s in moves[name][1]],
                         )
                         for name, part in parts
+                        for target, store in [
+                            _same_width(self._wide_dest[name][part], stores[name])
+                        ]
                     ]
                 )
             elif parts:
@@ -1038,6 +1041,15 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
 
     def claims_held(self) -> int:
         return sum(len(p.claims()) for p in self._preps.values())
+
+
+def _same_width(
+    dest: torch.Tensor, store: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device and store rows with one element type (bytes when widths differ)."""
+    if dest.dtype == store.dtype:
+        return dest, store
+    return dest.view(torch.uint8), store.view(torch.uint8)
 
 
 def _page_rows(tensor: torch.Tensor, page_size: int, page_bytes: int) -> torch.Tensor:

@@ -128,15 +128,25 @@ class CudaRowGather:
         self,
         targets: Sequence[tuple[torch.Tensor, list[int], torch.Tensor, list[int]]],
     ) -> None:
-        """``targets``: (device rows, dest rows, pinned store rows, source slots)."""
-        need = sum(len(src_rows) * store.shape[1] for _, _, store, src_rows in targets)
+        """``targets``: (device rows, dest rows, pinned store rows, source slots);
+        device and store rows share one element type (8-byte where possible, so
+        the host-side gather moves words, not bytes)."""
+        need = sum(
+            len(src_rows) * store.shape[1] * store.element_size()
+            for _, _, store, src_rows in targets
+        )
         if self._pinned.numel() < need:
             self._pinned = torch.empty(need, dtype=torch.uint8, pin_memory=True)
         offset = 0
         with torch.cuda.stream(self._stream):
             for target, dest_rows, store, src_rows in targets:
                 n, row = len(src_rows), store.shape[1]
-                staged = self._pinned[offset : offset + n * row].view(n, row)
+                nbytes = n * row * store.element_size()
+                staged = (
+                    self._pinned[offset : offset + nbytes]
+                    .view(store.dtype)
+                    .view(n, row)
+                )
                 torch.index_select(
                     store, 0, torch.tensor(src_rows, dtype=torch.long), out=staged
                 )
@@ -146,5 +156,5 @@ class CudaRowGather:
                 target.index_copy_(
                     0, dst_index, staged.to(target.device, non_blocking=True)
                 )
-                offset += n * row
+                offset += nbytes
         self._stream.synchronize()  # the pinned buffer is reused by the next layer
