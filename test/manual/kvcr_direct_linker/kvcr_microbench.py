@@ -127,7 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "the per-page key count, which the call path depends on, does not)",
     )
     p.add_argument("--samples", type=int, default=300, help="latency samples")
-    p.add_argument("--copy-reps", type=int, default=5, help="bandwidth repetitions")
+    p.add_argument("--copy-reps", type=int, default=9, help="bandwidth repetitions")
     p.add_argument("--ttft-prompts", type=int, default=40)
     p.add_argument("--ttft-prompt-len", type=int, default=1024)
     p.add_argument("--ttft-page-size", type=int, default=16)
