@@ -167,6 +167,26 @@ def test_offload_then_restore_into_other_slots_is_byte_exact(pool, linker):
     assert linker.claims_held() == 0
 
 
+def test_gpu_restore_branch_gathers_byte_exact_on_cpu(pool, linker):
+    """The GPU restore branch (gather into a staging buffer, scatter into the pool
+    rows), driven through the linker with its CPU variant: bytes land exactly."""
+    from sglang.srt.mem_cache.storage.kvcr.restore_copy import RowGather
+
+    linker._cuda_gather = RowGather(cuda=False)
+    fill_pages(pool, [1, 2, 3], seed=31)
+    hashes = page_hashes(3, "gpu-branch")
+    originals = [page_bytes(pool, p).clone() for p in (1, 2, 3)]
+    untouched = page_bytes(pool, 25).clone()
+    assert offload_and_commit(linker, hashes, [1, 2, 3]) is True
+    handle = linker.prepare_request(LinkerRequestContext("g"), kv_transfer(hashes))
+    wait_until(lambda: linker.preparation_ready(handle), what="preparation")
+    assert linker.lookup("g", kv_transfer(hashes)) == [1, 2, 3]
+    assert restore(linker, "g", hashes, [21, 23, 22]) is True
+    for original, page in zip(originals, (21, 23, 22), strict=True):
+        assert torch.equal(page_bytes(pool, page), original)
+    assert torch.equal(page_bytes(pool, 25), untouched)
+
+
 def test_lookup_reports_only_claimed_prefix_and_follows_the_device_prefix(pool, linker):
     """Absent pages end the hit; a lookup after the device prefix moved maps into it."""
     fill_pages(pool, [1, 2], seed=3)

@@ -73,3 +73,30 @@ def test_wide_rows_keeps_bytes() -> None:
     assert torch.equal(wide.view(torch.uint8), rows)
     odd = torch.arange(36, dtype=torch.uint8).view(2, 18)
     assert wide_rows(odd) is odd
+
+
+@pytest.mark.parametrize("row_bytes", [64, 36])
+def test_staged_gather_path_matches_row_copies(row_bytes) -> None:
+    """The GPU restore's gather -> staging buffer -> scatter steps, run on the CPU:
+    every part of every page lands in its row, across reuses of the buffer."""
+    from sglang.srt.mem_cache.storage.kvcr.restore_copy import RowGather
+
+    rng = random.Random(row_bytes)
+    gather = RowGather(cuda=False)
+    store = wide_rows(torch.randint(0, 256, (60, row_bytes), dtype=torch.uint8))
+    for layer in range(3):  # the staging buffer is reused (and grows) per layer
+        pages = 4 + 3 * layer
+        slots = [tuple(rng.sample(range(60), 2)) for _ in range(pages)]
+        dest = rng.sample(range(40), pages)
+        dsts = [
+            wide_rows(torch.randint(0, 256, (40, row_bytes), dtype=torch.uint8))
+            for _ in range(2)
+        ]
+        expected = [
+            _reference(d, dest, store, slots, part) for part, d in enumerate(dsts)
+        ]
+        gather.copy_layer(
+            [(d, dest, store, [s[part] for s in slots]) for part, d in enumerate(dsts)]
+        )
+        for got, want in zip(dsts, expected, strict=True):
+            assert torch.equal(got, want)

@@ -58,12 +58,13 @@ def make_swa_pool():
     )
 
 
-def make_linker(pool, components=FULL_SWA):
+def make_linker(pool, components=FULL_SWA, **overrides):
     config = {
         "local_dram_bytes_per_worker": 1 << 20,
         "operation_timeout_ms": 5000,
         "abandon_timeout_ms": 10000,
         "preparation_timeout_ms": 2000,
+        **overrides,
     }
     server_args = SimpleNamespace(
         model_path="tiny-swa", revision=None, speculative_draft_model_path=None
@@ -209,6 +210,30 @@ def test_full_and_window_pages_round_trip_byte_exact(pool, linker):
     assert torch.equal(page_bytes(full, 30), untouched[0])
     assert torch.equal(page_bytes(window, 30), untouched[1])
     assert linker.claims_held() == 0
+
+
+def test_staged_offload_stages_each_pool_from_its_own_device_pages(pool):
+    """The staged path copies full pages from the full pool and window pages from
+    the SWA pool (different device indices) before the deposit; both restore."""
+    linker = make_linker(pool, offload_path="staged")
+    try:
+        full, window = pool.full_kv_pool, pool.swa_kv_pool
+        keys = hashes(3, "st")
+        fill(full, [2, 3, 4], seed=12)
+        fill(window, [7, 9], seed=13)  # window pages live elsewhere in the SWA pool
+        want_full = [page_bytes(full, p).clone() for p in (2, 3, 4)]
+        want_window = [page_bytes(window, p).clone() for p in (7, 9)]
+        assert offload(linker, transfers(keys, [2, 3, 4], keys[1:], [7, 9])) is True
+        prepare(linker, "st", keys)
+        assert linker.lookup("st", transfers(keys)) == [3]
+        assert linker.load("st", transfers(keys, [30, 31, 32], keys[1:], [40, 41]))
+        assert linker.finish_layer_wise_loading(linker.start_layer_wise_loading())
+        for want, page in zip(want_full, (30, 31, 32), strict=True):
+            assert torch.equal(page_bytes(full, page), want)
+        for want, page in zip(want_window, (40, 41), strict=True):
+            assert torch.equal(page_bytes(window, page), want)
+    finally:
+        linker.close()
 
 
 def test_restorable_set_is_sparse_where_a_window_page_is_missing(pool, linker):

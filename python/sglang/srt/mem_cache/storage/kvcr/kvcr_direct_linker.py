@@ -58,7 +58,7 @@ from sglang.srt.mem_cache.storage.kvcr.offload_staging import HostStaging, Stage
 from sglang.srt.mem_cache.storage.kvcr.plugin import refuse_unsupported_topology
 from sglang.srt.mem_cache.storage.kvcr.restore_copy import (
     CpuRestorePlan,
-    CudaRowGather,
+    RowGather,
     wide_rows,
 )
 from sglang.srt.mem_cache.storage.kvcr.router_hint import (
@@ -261,7 +261,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             for name, parts in self._dest_rows.items()
         }
         # CUDA restores gather through pinned memory (see restore_copy).
-        self._cuda_gather = CudaRowGather() if self._is_cuda else None
+        self._cuda_gather = RowGather(cuda=True) if self._is_cuda else None
         self._agent = ""
         self._staging = self._make_staging()
         self._factory_args: dict[str, Any] = {

@@ -13,6 +13,7 @@ device-side scatter on a private stream.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -116,13 +117,18 @@ class CpuRestorePlan:
                 dst.index_copy_(0, self.dest[seg.start : seg.stop], view)
 
 
-class CudaRowGather:
-    """Gathers a layer's source rows into pinned memory, then one H2D copy and a
-    device-side scatter on a private stream; the buffer is reused across layers."""
+class RowGather:
+    """Gathers a layer's source rows into a staging buffer, then one host-to-device
+    copy and a device-side scatter; the buffer is reused across layers.
 
-    def __init__(self) -> None:
-        self._stream = torch.cuda.Stream()
-        self._pinned = torch.empty(0, dtype=torch.uint8, pin_memory=True)
+    On CUDA (``cuda=True``) the buffer is pinned and the copies run on a private
+    stream; with ``cuda=False`` the same steps run on the CPU (used by tests, so
+    the GPU path's indexing is exercised without a GPU).
+    """
+
+    def __init__(self, cuda: bool = True) -> None:
+        self._stream = torch.cuda.Stream() if cuda else None
+        self._pinned = torch.empty(0, dtype=torch.uint8, pin_memory=cuda)
 
     def copy_layer(
         self,
@@ -136,9 +142,16 @@ class CudaRowGather:
             for _, _, store, src_rows in targets
         )
         if self._pinned.numel() < need:
-            self._pinned = torch.empty(need, dtype=torch.uint8, pin_memory=True)
+            self._pinned = torch.empty(
+                need, dtype=torch.uint8, pin_memory=self._stream is not None
+            )
         offset = 0
-        with torch.cuda.stream(self._stream):
+        stream = (
+            torch.cuda.stream(self._stream)
+            if self._stream is not None
+            else contextlib.nullcontext()
+        )
+        with stream:
             for target, dest_rows, store, src_rows in targets:
                 n, row = len(src_rows), store.shape[1]
                 nbytes = n * row * store.element_size()
@@ -157,4 +170,5 @@ class CudaRowGather:
                     0, dst_index, staged.to(target.device, non_blocking=True)
                 )
                 offset += nbytes
-        self._stream.synchronize()  # the pinned buffer is reused by the next layer
+        if self._stream is not None:
+            self._stream.synchronize()  # the pinned buffer is reused next layer
