@@ -440,3 +440,33 @@ def test_swa_tail_restores_through_the_unified_cache_bit_exact(plugin_hooks):
         assert linker.claims_held() == 0
     finally:
         linker.close()
+
+
+def test_unified_memory_swa_allocator_is_refused_naming_the_flag(pool):
+    """Virtual SWA pages (unified memory pool) would be written as physical rows."""
+    from sglang.srt.mem_cache.allocator.unified_hybrid_swa import (
+        UnifiedSWAAllocatorBase,
+    )
+
+    class _Unified(_Allocator, UnifiedSWAAllocatorBase):
+        def __init__(self, kvcache):
+            _Allocator.__init__(self, kvcache)  # no real unified pool behind it
+
+    _Unified.__abstractmethods__ = frozenset()  # only its type is inspected
+
+    config = {"local_dram_bytes_per_worker": 1 << 20}
+    params = SimpleNamespace(
+        token_to_kv_pool_allocator=_Unified(pool),
+        page_size=PAGE,
+        attn_tp_cache_group=None,
+        tp_cache_group=None,
+    )
+    server_args = SimpleNamespace(model_path="m", revision=None)
+    with pytest.raises(KVCRLayoutError, match="--enable-unified-memory"):
+        KVCRDirectLinker(
+            server_args,
+            params,
+            components=set(FULL_SWA),
+            extra_config=config,
+            forward_stream=None,
+        )

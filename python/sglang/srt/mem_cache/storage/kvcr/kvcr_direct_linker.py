@@ -223,6 +223,8 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             kvcache, self.page_size, identity=identity, draft_pool=_draft_pool(params)
         )
         self.pools = _sglang_pools(kvcache, components, self.layout)
+        if self.layout.window_pools:
+            _refuse_virtual_swa_pages(params.token_to_kv_pool_allocator)
         self._full_names = frozenset(p.name for p in self.layout.full_pools)
         self._window_names = frozenset(p.name for p in self.layout.window_pools)
         self.num_layers = self.layout.num_layers
@@ -1103,6 +1105,21 @@ def _sglang_pools(kvcache: Any, components: Any, layout: Any) -> dict[Any, Any]:
     if not windowed:
         return {PoolName.KV: kvcache}
     return {PoolName.KV: kvcache.full_kv_pool, PoolName.SWA: kvcache.swa_kv_pool}
+
+
+def _refuse_virtual_swa_pages(allocator: Any) -> None:
+    """The unified memory pool hands out virtual SWA pages; restores write device
+    rows directly, so only the static SWA allocator's physical indices are safe."""
+    from sglang.srt.mem_cache.allocator.unified_hybrid_swa import (
+        UnifiedSWAAllocatorBase,
+    )
+
+    if isinstance(allocator, UnifiedSWAAllocatorBase):
+        raise KVCRLayoutError(
+            f"{type(allocator).__name__}: the KVCR linker restores SWA KV into "
+            "physical rows and does not support the unified (virtual-page) memory "
+            "pool; drop --enable-unified-memory for this model"
+        )
 
 
 def _window_pages(transfers: list[PoolTransfer], tail_pages: int) -> int:
