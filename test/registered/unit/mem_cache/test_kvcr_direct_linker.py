@@ -338,24 +338,33 @@ def test_split_offload_has_one_fifo_result_and_restores_every_page(pool, monkeyp
         lk.close()
 
 
-def test_split_offload_with_a_refused_half_fails_as_a_whole(pool, monkeypatch):
-    """One half over the in-flight byte budget fails the offload's single result."""
+def test_split_offload_is_admitted_or_refused_as_a_whole(pool, monkeypatch):
+    """The deposits of one split offload share one budget charge: refused together
+    while other work is in flight (no half lands in KVCR), admitted together when
+    alone even above the budget."""
     from sglang.srt.mem_cache.storage.kvcr import kvcr_direct_linker
 
     monkeypatch.setattr(kvcr_direct_linker, "_SPLIT_DEPOSIT_BYTES", 0)
     page_total = LAYERS * 2 * PAGE * HEADS * DIM * 2
     lk = make_linker(pool, max_inflight_offload_bytes=2 * page_total)
     try:
-        fill_pages(pool, [1, 2, 3, 4], seed=22)
-        assert lk.offload(kv_transfer(page_hashes(4, "half"), [1, 2, 3, 4])) is True
-        wait_until(lambda: lk.num_completed_offloads() == 1, what="first result")
-        # The halves charge 2 pages each: the second is refused while the first
-        # is in flight, so the whole offload fails.
-        assert lk.pop_completed_offload() is False
+        fill_pages(pool, [1, 2, 3, 4, 5], seed=22)
+        big = page_hashes(4, "half")
+        assert lk.offload(kv_transfer(page_hashes(1, "first"), [5])) is True
+        assert lk.offload(kv_transfer(big, [1, 2, 3, 4])) is True
+        wait_until(lambda: lk.num_completed_offloads() == 2, what="two results")
+        assert [lk.pop_completed_offload(), lk.pop_completed_offload()] == [True, False]
         assert lk._adapter.stats().refused_offload == 1
-        assert lk.offload(kv_transfer(page_hashes(1, "next"), [5])) is True
-        wait_until(lambda: lk.num_completed_offloads() == 1, what="next result")
-        assert lk.pop_completed_offload() is True
+        assert not any(
+            lk.layout.block_key(h, "kv") in lk._resident for h in big
+        )  # neither half was written
+        # Alone, the same 4-page offload (twice the budget) is admitted whole.
+        assert offload_and_commit(lk, big, [1, 2, 3, 4]) is True
+        wait_until(
+            lambda: lk.num_completed_offloads() == 0
+            and all(lk.layout.block_key(h, "kv") in lk._resident for h in big),
+            what="residency mirror",
+        )
     finally:
         lk.close()
 
@@ -449,6 +458,46 @@ def test_abandoned_fetch_bytes_bound_refuses_new_preparations(pool):
         assert lk.lookup("again", kv_transfer(hashes)) == [1, 2]
     finally:
         gate.set()
+        lk.close()
+
+
+def test_releasing_a_request_with_a_queued_load_releases_its_claims(pool, linker):
+    """A queued (not started) load holds claims; ending the request frees them."""
+    fill_pages(pool, [1, 2], seed=13)
+    hashes = page_hashes(2, "queued")
+    assert offload_and_commit(linker, hashes, [1, 2]) is True
+    handle = linker.prepare_request(LinkerRequestContext("q"), kv_transfer(hashes))
+    wait_until(lambda: linker.preparation_ready(handle), what="prepare")
+    assert linker.lookup("q", kv_transfer(hashes)) == [1, 2]
+    assert linker.load("q", kv_transfer(hashes, [40, 41])) is True
+    before = linker._adapter.stats().claims_released
+    linker.release_request("q")
+    wait_until(
+        lambda: linker._adapter.stats().claims_released - before == 2,
+        what="claims released",
+    )
+    assert linker.start_layer_wise_loading() == -1  # nothing left to load
+
+
+def test_reset_forgets_what_the_old_core_owed(pool):
+    """Fetches abandoned on a core that reset replaced never complete: a flush must
+    not leave their bytes counted, or every later preparation would be refused."""
+    lk = make_linker(pool, max_abandoned_bytes=1)
+    try:
+        fill_pages(pool, [1, 2], seed=12)
+        hashes = page_hashes(2, "owed")
+        assert offload_and_commit(lk, hashes, [1, 2]) is True
+        lk._abandoned[10**9] = 1 << 20  # an op of the old core, never to complete
+        lk._op_owner[10**9] = ("gone", 1 << 20)
+        assert lk.abandoned_bytes() > 1
+        lk.reset()
+        assert lk.abandoned_bytes() == 0
+        assert offload_and_commit(lk, hashes, [1, 2]) is True
+        handle = lk.prepare_request(LinkerRequestContext("after"), kv_transfer(hashes))
+        wait_until(lambda: lk.preparation_ready(handle), what="prepare")
+        assert lk.lookup("after", kv_transfer(hashes)) == [1, 2]
+        assert lk.stats.refused_abandoned == 0
+    finally:
         lk.close()
 
 

@@ -470,3 +470,36 @@ def test_unified_memory_swa_allocator_is_refused_naming_the_flag(pool):
             extra_config=config,
             forward_stream=None,
         )
+
+
+def test_window_that_is_not_the_restored_tail_fails_the_load(pool, linker):
+    """A load whose SWA keys are not the trailing pages of its KV keys (or are
+    missing) restores nothing rather than leaving window rows stale."""
+    keys = hashes(4, "tail")
+    fill(pool.full_kv_pool, [1, 2, 3, 4], seed=14)
+    fill(pool.swa_kv_pool, [1, 2, 3, 4], seed=15)
+    assert offload(linker, transfers(keys, [1, 2, 3, 4], keys, [1, 2, 3, 4])) is True
+    for rid, window in (("mid", keys[1:3]), ("none", [])):
+        prepare(linker, rid, keys)
+        assert linker.lookup(rid, transfers(keys)) == [1, 2, 3, 4]
+        before = page_bytes(pool.full_kv_pool, 50).clone()
+        swa_pages = [50, 51][: len(window)] if window else None
+        xfers = transfers(keys, [50, 51, 52, 53], window, swa_pages)
+        assert linker.load(rid, xfers) is True
+        assert (
+            linker.finish_layer_wise_loading(linker.start_layer_wise_loading()) is False
+        )
+        assert torch.equal(page_bytes(pool.full_kv_pool, 50), before)
+        linker.release_request(rid)
+    assert linker.claims_held() == 0
+
+
+def test_lookup_without_window_keys_requires_window_kv_for_every_page(pool, linker):
+    """No SWA keys in the lookup: conservatively, every page needs window KV."""
+    keys = hashes(3, "nokeys")
+    fill(pool.full_kv_pool, [1, 2, 3], seed=16)
+    fill(pool.swa_kv_pool, [2, 3], seed=17)
+    assert offload(linker, transfers(keys, [1, 2, 3], keys[1:], [2, 3])) is True
+    prepare(linker, "nk", keys)
+    assert linker.lookup("nk", transfers(keys, window_keys=[])) == []
+    assert linker.lookup("nk", transfers(keys)) == [3]

@@ -168,10 +168,12 @@ class _NoPinFramework:
     def __init__(self) -> None:
         self._ids = itertools.count(1)
         self._answers: list[tuple[int, None]] = []
+        self.requests = 0  # pins asked for so far (each answered at its next poll)
 
     def request_pin(self, keys: Iterable[bytes]) -> int:
         pin_id = next(self._ids)
         self._answers.append((pin_id, None))
+        self.requests += 1
         return pin_id
 
     def poll_pin_results(self) -> list[tuple[int, None]]:
@@ -256,6 +258,19 @@ class KVCRAdapter:
             self._complete_all(command, EntryStatus.REFUSED)
             return
         self._commands.put(command)
+
+    def submit_together(self, commands: Sequence[Deposit]) -> None:
+        """Deposits charged to the offload budget as one: all enqueued, or all
+        REFUSED (parts of one offload must not be half admitted)."""
+        self._raise_if_failed()
+        if not commands:
+            return
+        if not self._charge(Budget.OFFLOAD, sum(c.nbytes for c in commands)):
+            for command in commands:
+                self._complete_all(command, EntryStatus.REFUSED)
+            return
+        for command in commands:
+            self._commands.put(command)
 
     def fail_op(self, command: Deposit | Fetch) -> None:
         """Complete a command that never reached KVCR as FAILED (e.g. a staging
@@ -456,7 +471,14 @@ class KVCRAdapter:
                     command.future.set_exception(exc)
 
     def _poll(self) -> None:
-        for handle, entries in self._kvcr.poll_completed():
+        pins = self._pins.requests
+        completed = self._kvcr.poll_completed()
+        if completed or self._pins.requests != pins:
+            # Follow-up work (a declined pin's answer, the next step of an
+            # exchange) may now sit in KVCR's progress queue: do not let it wait
+            # out an idle period there.
+            progress_pacer.wake()
+        for handle, entries in completed:
             op = self._inflight.pop(handle, None)
             if op is None:
                 logger.warning("KVCR completed an unknown operation %s", handle)

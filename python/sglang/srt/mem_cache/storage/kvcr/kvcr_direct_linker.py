@@ -102,6 +102,12 @@ class Preparation:
         default_factory=dict
     )
     hinted: bool = False
+    positions: dict[str, int] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.positions = {}
+        for i, page_hash in enumerate(self.page_hashes):
+            self.positions.setdefault(page_hash, i)
 
     def restorable(
         self,
@@ -373,6 +379,9 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             for slots in self._staged_slots.values():
                 self._staging.free(slots)
         self._staged_slots.clear()
+        # Operations of the old core never complete here: forget what they owed.
+        self._op_owner.clear()
+        self._abandoned.clear()
         self._held.clear()
         self._resident.clear()
         self._removed_hashes.clear()
@@ -524,10 +533,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
 
     @staticmethod
     def _page_index(prep: Preparation, page_hash: str) -> int | None:
-        try:
-            return prep.page_hashes.index(page_hash)
-        except ValueError:
-            return None
+        return prep.positions.get(page_hash)
 
     # ---- preparation -------------------------------------------------------------
 
@@ -654,7 +660,9 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         prep = self._preps.get(rid)
         if prep is not None:
             self._drop_prep(prep)
-        self._queued_loads.pop(rid, None)
+        job = self._queued_loads.pop(rid, None)
+        if job is not None and job.claims:
+            self._adapter.submit(Release(tuple(job.claims)))
 
     def finish_request(self, rid: str) -> None:
         self.release_request(rid)
@@ -712,9 +720,15 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             self.stats.miss_prefix_moved += 1
             self._drop_prep(prep)
             return []
+        limit = 0  # pages of this tail that are the prepared ones, in order
+        for offset, page_hash in enumerate(page_hashes):
+            index = start + offset
+            if index >= len(prep.page_hashes) or prep.page_hashes[index] != page_hash:
+                break
+            limit += 1
         boundaries = prep.restorable(
             start,
-            len(page_hashes),
+            limit,
             self._full_names,
             self._window_names,
             _window_pages(transfers, len(page_hashes)),
@@ -745,9 +759,11 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             else {}
         )
         if self._window_names and (
-            window is None or not window_index.keys() <= set(page_hashes)
+            window is None
+            or not window_index
+            or list(window_index) != page_hashes[-len(window_index) :]
         ):
-            complete = False
+            complete = False  # the window must be the restored pages' trailing ones
         for i, page_hash in enumerate(page_hashes):
             index = None if prep is None else self._page_index(prep, page_hash)
             landed = (
@@ -824,6 +840,20 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         record = _Offload()
         self._offload_fifo.append(record)
         self.stats.offloads += 1
+        try:
+            return self._offload(record, transfers)
+        except BaseException:
+            # Not queued (the wrapper drops its lock and re-raises): no FIFO slot.
+            if self._offload_fifo and self._offload_fifo[-1] is record:
+                self._offload_fifo.pop()
+            for op_id in [k for k, v in self._offload_pending.items() if v is record]:
+                del self._offload_pending[op_id]
+            self._deferred_deposits = [
+                d for d in self._deferred_deposits if d[0] is not record
+            ]
+            raise
+
+    def _offload(self, record: _Offload, transfers: list[PoolTransfer]) -> bool:
         by_name = {t.name: t for t in transfers}
         kv = by_name.get(PoolName.KV)
         if kv is None or not kv.keys:
@@ -853,17 +883,10 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         ]
         nbytes = sum(self._pool_page_bytes[pool.name] for pool, *_ in items)
         self.stats.offload_pages += len(kv_keys)
-        staging = self._staging
-        slots = None
-        if staging is not None:
-            slots = staging.alloc(len(kv_keys))
-            if slots is None:
-                self.stats.offload_staging_full += 1
-                record.fail()  # backpressure: the staging area is full
-                return True
         record.nbytes = nbytes
         events = tuple(self.record_offload_ready()) if self._is_cuda else ()
-        if staging is None or slots is None:
+        staging = self._staging
+        if staging is None:
             # Direct path: built and submitted at the next pump (the scheduler's
             # next step). Done here, one MemoryRef per page and span, then KVCR's
             # deposit on the owner thread contending for the GIL, would hold up
@@ -872,17 +895,26 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
                 event.synchronize()
             self._deferred_deposits.append((record, items))
             return True
+        slots = staging.alloc(len(kv_keys))
+        if slots is None:
+            self.stats.offload_staging_full += 1
+            record.fail()  # backpressure: the staging area is full
+            return True
+        try:
+            blocks = {
+                self.layout.block_key(h, pool.name): staging.memory_refs(
+                    self._agent, pool, slots[i]
+                )
+                for pool, h, _, i in items
+            }
+        except BaseException:
+            staging.free(slots)
+            raise
         op_id = self._adapter.next_op_id()
         record.pending = 1
         self._offload_pending[op_id] = record
-        blocks = {
-            self.layout.block_key(h, pool.name): staging.memory_refs(
-                self._agent, pool, slots[i]
-            )
-            for pool, h, _, i in items
-        }
-        deposit = Deposit(op_id=op_id, blocks=blocks, nbytes=nbytes)
         self._staged_slots[op_id] = slots
+        deposit = Deposit(op_id=op_id, blocks=blocks, nbytes=nbytes)
         adapter = self._adapter  # the incarnation these slots' deposit belongs to
         staging.stage(
             StageJob(
@@ -914,18 +946,31 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             chunks: dict[int, list[Any]] = {}
             for item in items:
                 chunks.setdefault(item[3] // half, []).append(item)
-            record.pending = len(chunks)
-            for chunk in chunks.values():
-                op_id = self._adapter.next_op_id()
-                self._offload_pending[op_id] = record
-                blocks = {
-                    self.layout.block_key(h, pool.name): pool.memory_refs(
-                        self._agent, p
+            try:
+                deposits = [
+                    Deposit(
+                        op_id=self._adapter.next_op_id(),
+                        blocks={
+                            self.layout.block_key(h, pool.name): pool.memory_refs(
+                                self._agent, p
+                            )
+                            for pool, h, p, _ in chunk
+                        },
+                        nbytes=sum(
+                            self._pool_page_bytes[pool.name] for pool, *_ in chunk
+                        ),
                     )
-                    for pool, h, p, _ in chunk
-                }
-                nbytes = sum(self._pool_page_bytes[pool.name] for pool, *_ in chunk)
-                self._adapter.submit(Deposit(op_id=op_id, blocks=blocks, nbytes=nbytes))
+                    for chunk in chunks.values()
+                ]
+            except KVCRLayoutError:
+                logger.exception("KVCR offload could not be described; it fails")
+                record.fail()
+                continue
+            record.pending = len(deposits)
+            for deposit in deposits:
+                self._offload_pending[deposit.op_id] = record
+            # Charged as one: the halves of one offload are admitted together.
+            self._adapter.submit_together(deposits)
 
     def num_completed_offloads(self) -> int:
         self._pump()
@@ -994,7 +1039,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             elif parts:
                 for name, part in parts:
                     plans[name].copy_part(
-                        self._wide_dest[name][part], stores[name], part
+                        *_same_width(self._wide_dest[name][part], stores[name]), part
                     )
             self.layer_done_counter.complete(index, layer)
 
@@ -1126,9 +1171,9 @@ def _window_pages(transfers: list[PoolTransfer], tail_pages: int) -> int:
     """Pages of the trailing window: the SWA lookup transfer carries the tail's
     last ``ceil(window / page)`` keys (all of them when the tail is shorter)."""
     for transfer in transfers:
-        if transfer.name == PoolName.SWA:
-            return len(transfer.keys or ())
-    return tail_pages
+        if transfer.name == PoolName.SWA and transfer.keys:
+            return len(transfer.keys)
+    return tail_pages  # no window given: require window KV for every page
 
 
 def _kv_keys(transfers: list[PoolTransfer]) -> list[str]:

@@ -138,7 +138,7 @@ class RowGather:
         device and store rows share one element type (8-byte where possible, so
         the host-side gather moves words, not bytes)."""
         need = sum(
-            len(src_rows) * store.shape[1] * store.element_size()
+            _aligned(len(src_rows) * store.shape[1] * store.element_size())
             for _, _, store, src_rows in targets
         )
         if self._pinned.numel() < need:
@@ -169,6 +169,10 @@ class RowGather:
                 target.index_copy_(
                     0, dst_index, staged.to(target.device, non_blocking=True)
                 )
-                offset += nbytes
+                offset += _aligned(nbytes)  # the next view may be 8-byte typed
         if self._stream is not None:
             self._stream.synchronize()  # the pinned buffer is reused next layer
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 8) * 8
