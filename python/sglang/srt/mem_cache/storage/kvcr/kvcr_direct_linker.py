@@ -102,30 +102,42 @@ class Preparation:
         default_factory=dict
     )
     hinted: bool = False
-    positions: dict[str, int] = dataclasses.field(init=False)
+    positions: dict[str, int] | None = None  # page hash -> index, built on demand
 
-    def __post_init__(self) -> None:
-        self.positions = {}
-        for i, page_hash in enumerate(self.page_hashes):
-            self.positions.setdefault(page_hash, i)
+    def index_of(self, page_hash: str) -> int | None:
+        if self.page_hashes and self.page_hashes[0] == page_hash:
+            return 0  # the usual case: asked about the tail it was prepared for
+        if self.positions is None:
+            self.positions = {}
+            for i, h in enumerate(self.page_hashes):
+                self.positions.setdefault(h, i)
+        return self.positions.get(page_hash)
 
     def restorable(
         self,
         start: int,
-        limit: int,
+        tail: list[str],
         full: frozenset[str],
         window: frozenset[str],
         window_pages: int,
     ) -> list[int]:
-        """Every tail-relative boundary ``b <= limit`` (pages from ``start``)
-        restorable from claims: ``full`` pools claimed for all ``b`` pages and
-        ``window`` pools for the last ``window_pages`` of them. Sparse when a
-        window page in the middle is missing (0.5.23's restorable-set rule)."""
+        """Every boundary ``b`` of ``tail`` (which starts at prepared page
+        ``start``) restorable from claims: ``full`` pools claimed for all ``b``
+        pages and ``window`` pools for the last ``window_pages`` of them. Sparse
+        when a window page in the middle is missing (0.5.23's restorable-set
+        rule); stops where the tail leaves the prepared pages."""
         out: list[int] = []
         last_gap = -1  # latest tail page lacking a window-pool claim
-        for b in range(1, limit + 1):
-            have = self.landed.get(start + b - 1, {})
-            if not full <= have.keys():
+        prepared = self.page_hashes
+        for b in range(1, len(tail) + 1):
+            index = start + b - 1
+            have = self.landed.get(index)
+            if (
+                have is None
+                or not full <= have.keys()
+                or index >= len(prepared)
+                or prepared[index] != tail[b - 1]
+            ):
                 break
             if not window <= have.keys():
                 last_gap = b - 1
@@ -231,8 +243,10 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self.pools = _sglang_pools(kvcache, components, self.layout)
         if self.layout.window_pools:
             _refuse_virtual_swa_pages(params.token_to_kv_pool_allocator)
-        self._full_names = frozenset(p.name for p in self.layout.full_pools)
-        self._window_names = frozenset(p.name for p in self.layout.window_pools)
+        self._full_pools = self.layout.full_pools
+        self._window_pools = self.layout.window_pools
+        self._full_names = frozenset(p.name for p in self._full_pools)
+        self._window_names = frozenset(p.name for p in self._window_pools)
         self.num_layers = self.layout.num_layers
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
         self._is_cuda = str(kvcache.device) != "cpu"
@@ -533,7 +547,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
 
     @staticmethod
     def _page_index(prep: Preparation, page_hash: str) -> int | None:
-        return prep.positions.get(page_hash)
+        return prep.index_of(page_hash)
 
     # ---- preparation -------------------------------------------------------------
 
@@ -550,7 +564,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         hinted = set(hint.block_hashes) if hint is not None else set()
         wanted = 0
         for page_hash in page_hashes:
-            if not self._resident_in(page_hash, self.layout.full_pools) and (
+            if not self._resident_in(page_hash, self._full_pools) and (
                 page_hash_to_u64(page_hash) not in hinted
             ):
                 break
@@ -576,7 +590,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             h
             for h in page_hashes[:wanted]
             if page_hash_to_u64(h) in hinted
-            or self._resident_in(h, self.layout.window_pools)
+            or self._resident_in(h, self._window_pools)
         }
         for start in range(0, wanted, chunk):
             span = page_hashes[start : min(wanted, start + chunk)]
@@ -720,15 +734,9 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             self.stats.miss_prefix_moved += 1
             self._drop_prep(prep)
             return []
-        limit = 0  # pages of this tail that are the prepared ones, in order
-        for offset, page_hash in enumerate(page_hashes):
-            index = start + offset
-            if index >= len(prep.page_hashes) or prep.page_hashes[index] != page_hash:
-                break
-            limit += 1
         boundaries = prep.restorable(
             start,
-            limit,
+            page_hashes,
             self._full_names,
             self._window_names,
             _window_pages(transfers, len(page_hashes)),
