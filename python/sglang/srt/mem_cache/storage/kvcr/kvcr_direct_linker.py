@@ -589,8 +589,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         window_set = {
             h
             for h in page_hashes[:wanted]
-            if page_hash_to_u64(h) in hinted
-            or self._resident_in(h, self._window_pools)
+            if page_hash_to_u64(h) in hinted or self._resident_in(h, self._window_pools)
         }
         for start in range(0, wanted, chunk):
             span = page_hashes[start : min(wanted, start + chunk)]

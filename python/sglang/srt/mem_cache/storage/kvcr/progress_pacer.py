@@ -6,15 +6,19 @@ forward. Once installed, an idle iteration (no submissions, operations, transfer
 or results, and none for 50 ms) waits up to ``progress_idle_ms`` instead, and any
 command the adapter hands KVCR wakes every progress loop at once, so this worker's
 own operations start without delay; only a peer's first request to a worker idle
-for 50 ms can wait up to the idle period. ``progress_idle_ms = 0`` leaves KVCR's own loop untouched. kvcr offers no
-such setting, so ``_KVCRProgress._run_one_iteration`` is wrapped once per process.
+for 50 ms can wait up to the idle period. ``progress_idle_ms = 0`` leaves kvcr's
+own loop untouched. kvcr offers no such setting, so
+``_KVCRProgress._run_one_iteration`` is wrapped once per process.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # After any work the loop keeps kvcr's 1 ms pace this long before backing off.
 _RECENT_S = 0.05
@@ -34,31 +38,44 @@ def configure(idle_ms: int) -> None:
             return
         from kvcr import progress
 
-        original = progress._KVCRProgress._run_one_iteration
+        cls = getattr(progress, "_KVCRProgress", None)
+        original = getattr(cls, "_run_one_iteration", None)
+        if cls is None or original is None:
+            logger.warning(
+                "kvcr has no progress loop to pace (not kvcr 0.1.1?); "
+                "progress_idle_ms has no effect"
+            )
+            return
 
-        def paced(self: Any) -> bool:
-            seen = _generation
-            did = original(self)
-            idle = _idle_s
-            now = time.monotonic()
-            if (
-                did
-                or idle <= 0
-                or self._in_flight_ops
-                or getattr(self, "_active_transfers", None)
-                or self._completed_backlog
-                or self._stop_requested
-            ):
-                self._kvcr_pacer_active = now
-                return bool(did)
-            if now - getattr(self, "_kvcr_pacer_active", 0.0) < _RECENT_S:
-                return False  # just busy (a peer may be mid-exchange): kvcr's 1 ms
-            with _COND:
-                _COND.wait_for(lambda: _generation != seen, timeout=idle)
-            return True  # the loop re-polls at once instead of sleeping again
-
-        progress._KVCRProgress._run_one_iteration = paced
+        cls._run_one_iteration = _paced(original)
         _installed = True
+
+
+def _paced(original: Any) -> Any:
+    """``original`` (one progress iteration) that waits out idle periods."""
+
+    def paced(self: Any) -> bool:
+        seen = _generation
+        did = original(self)
+        idle = _idle_s
+        now = time.monotonic()
+        if (
+            did
+            or idle <= 0
+            or getattr(self, "_in_flight_ops", True)
+            or getattr(self, "_active_transfers", None)
+            or getattr(self, "_completed_backlog", True)
+            or getattr(self, "_stop_requested", True)
+        ):
+            self._kvcr_pacer_active = now
+            return bool(did)
+        if now - getattr(self, "_kvcr_pacer_active", 0.0) < _RECENT_S:
+            return False  # just busy (a peer may be mid-exchange): kvcr's 1 ms
+        with _COND:
+            _COND.wait_for(lambda: _generation != seen, timeout=idle)
+        return True  # the loop re-polls at once instead of sleeping again
+
+    return paced
 
 
 def wake() -> None:
