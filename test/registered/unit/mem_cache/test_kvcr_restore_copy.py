@@ -32,6 +32,10 @@ def test_plan_segments_breaks_on_stride_change_and_backwards_steps() -> None:
     assert plan_segments([]) == []
 
 
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 def _reference(dst, dest_pages, src, slots, part):
     out = dst.clone()
     for d, s in zip(dest_pages, slots, strict=True):
@@ -63,16 +67,58 @@ def test_restore_plan_matches_row_copies(row_bytes, source, dest) -> None:
         dst = wide_rows(torch.randint(0, 256, (80, row_bytes), dtype=torch.uint8))
         expected = _reference(dst, dest_pages, store, slots, part)
         plan.copy_part(dst, store, part)
-        assert torch.equal(dst, expected)  # every page landed, no other row moved
+        # Compared as bytes (random bytes viewed as complex include NaNs).
+        assert same_bytes(dst, expected)  # every page landed, no other row moved
 
 
 def test_wide_rows_keeps_bytes() -> None:
     rows = torch.arange(64, dtype=torch.uint8).view(2, 32)
     wide = wide_rows(rows)
-    assert wide.dtype == torch.int64 and wide.shape == (2, 4)
+    assert wide.dtype == torch.complex128 and wide.shape == (2, 2)
     assert torch.equal(wide.view(torch.uint8), rows)
+    eight = torch.arange(48, dtype=torch.uint8).view(2, 24)
+    assert wide_rows(eight).dtype == torch.int64
     odd = torch.arange(36, dtype=torch.uint8).view(2, 18)
     assert wide_rows(odd) is odd
+
+
+@pytest.mark.parametrize("source", ["object_major", "shuffled"])
+@pytest.mark.parametrize("dest", ["contiguous", "scattered"])
+def test_nan_payloads_survive_the_restore_copy(source, dest) -> None:
+    """Rows are moved as complex128/int64 elements: signalling and quiet NaNs with
+    payloads, infinities and negative zero arrive bit for bit."""
+    specials = torch.tensor(
+        [
+            0x7FF0000000000001,  # signalling NaN, payload 1
+            0x7FF4DEADBEEF0001,  # signalling NaN, large payload
+            0xFFF8000000000123 - (1 << 64),  # negative quiet NaN with payload
+            0x7FF0000000000000,  # +inf
+            0x8000000000000000 - (1 << 64),  # -0.0
+        ],
+        dtype=torch.int64,
+    )
+    rng = random.Random(f"nan{source}{dest}")
+    parts, pages = 2, 24
+    store = torch.randint(-(1 << 62), 1 << 62, (parts * 40, 32), dtype=torch.int64)
+    store[:, :10] = specials.repeat(2)  # every row carries the specials
+    store_rows = wide_rows(store.view(torch.uint8))
+    objects = list(range(40))
+    if source == "shuffled":
+        rng.shuffle(objects)
+    slots = [tuple(o * parts + p for p in range(parts)) for o in objects[:pages]]
+    dest_pages = (
+        list(range(3, 3 + pages))
+        if dest == "contiguous"
+        else rng.sample(range(60), pages)
+    )
+    plan = CpuRestorePlan(dest_pages, slots)
+    for part in range(parts):
+        dst = torch.zeros(60, 32, dtype=torch.int64)
+        expected = dst.clone()
+        for d, s in zip(dest_pages, slots, strict=True):
+            expected[d] = store[s[part]]
+        plan.copy_part(wide_rows(dst.view(torch.uint8)), store_rows, part)
+        assert torch.equal(dst, expected)  # compared as integers: every bit
 
 
 @pytest.mark.parametrize("row_bytes", [64, 36])
@@ -99,4 +145,4 @@ def test_staged_gather_path_matches_row_copies(row_bytes) -> None:
             [(d, dest, store, [s[part] for s in slots]) for part, d in enumerate(dsts)]
         )
         for got, want in zip(dsts, expected, strict=True):
-            assert torch.equal(got, want)
+            assert same_bytes(got, want)
