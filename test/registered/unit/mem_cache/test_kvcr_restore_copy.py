@@ -32,6 +32,20 @@ def test_plan_segments_breaks_on_stride_change_and_backwards_steps() -> None:
     assert plan_segments([]) == []
 
 
+def _layout(rng, source, dest, *, parts, pages, objects, dest_rows):
+    """Source slots (object-major, optionally shuffled or in two runs) and
+    destination pages (consecutive or scattered) for one planned restore."""
+    order = list(range(objects))
+    if source == "shuffled":
+        rng.shuffle(order)
+    elif source == "two_runs":
+        order = order[5 : 5 + pages // 2] + order[: pages - pages // 2]
+    slots = [tuple(o * parts + p for p in range(parts)) for o in order[:pages]]
+    if dest == "contiguous":
+        return slots, list(range(4, 4 + pages))
+    return slots, rng.sample(range(dest_rows), pages)
+
+
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
@@ -50,16 +64,14 @@ def test_restore_plan_matches_row_copies(row_bytes, source, dest) -> None:
     rng = random.Random(f"{row_bytes}{source}{dest}")
     parts, pages, store_rows = 3, 30, 120
     store = wide_rows(torch.randint(0, 256, (store_rows, row_bytes), dtype=torch.uint8))
-    objects = list(range(store_rows // parts))
-    if source == "shuffled":
-        rng.shuffle(objects)
-    elif source == "two_runs":
-        objects = objects[5 : 5 + pages // 2] + objects[: pages - pages // 2]
-    slots = [tuple(o * parts + p for p in range(parts)) for o in objects[:pages]]
-    dest_pages = (
-        list(range(4, 4 + pages))
-        if dest == "contiguous"
-        else rng.sample(range(80), pages)
+    slots, dest_pages = _layout(
+        rng,
+        source,
+        dest,
+        parts=parts,
+        pages=pages,
+        objects=store_rows // parts,
+        dest_rows=80,
     )
     plan = CpuRestorePlan(dest_pages, slots)
     assert plan.fragmented == (source == "shuffled")
@@ -102,21 +114,13 @@ def test_nan_payloads_survive_the_restore_copy(source, dest) -> None:
     store = torch.randint(-(1 << 62), 1 << 62, (parts * 40, 32), dtype=torch.int64)
     store[:, :10] = specials.repeat(2)  # every row carries the specials
     store_rows = wide_rows(store.view(torch.uint8))
-    objects = list(range(40))
-    if source == "shuffled":
-        rng.shuffle(objects)
-    slots = [tuple(o * parts + p for p in range(parts)) for o in objects[:pages]]
-    dest_pages = (
-        list(range(3, 3 + pages))
-        if dest == "contiguous"
-        else rng.sample(range(60), pages)
+    slots, dest_pages = _layout(
+        rng, source, dest, parts=parts, pages=pages, objects=40, dest_rows=60
     )
     plan = CpuRestorePlan(dest_pages, slots)
     for part in range(parts):
         dst = torch.zeros(60, 32, dtype=torch.int64)
-        expected = dst.clone()
-        for d, s in zip(dest_pages, slots, strict=True):
-            expected[d] = store[s[part]]
+        expected = _reference(dst, dest_pages, store, slots, part)
         plan.copy_part(wide_rows(dst.view(torch.uint8)), store_rows, part)
         assert torch.equal(dst, expected)  # compared as integers: every bit
 
