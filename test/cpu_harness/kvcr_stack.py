@@ -159,3 +159,49 @@ def build_stack(
     """A wired stack: cache + KVCR linker attached."""
     stack = build_cache(config, geometry, **kwargs)
     return attach(stack, create_linker(stack))
+
+
+class PoolAllocator:
+    """Hands a linker its KV pool, as SGLang's allocator does (``get_kvcache``)."""
+
+    def __init__(self, kvcache: Any) -> None:
+        self._kvcache = kvcache
+
+    def get_kvcache(self) -> Any:
+        return self._kvcache
+
+
+def bare_linker(
+    pool: Any,
+    page_size: int,
+    config: dict[str, Any],
+    *,
+    components: Any = (0,),
+    model: str = "tiny-test",
+    draft: str | None = None,
+    allocator: Any = None,
+    **params: Any,
+) -> Any:
+    """A ``KVCRDirectLinker`` over ``pool`` alone (no cache, no SGLang loader):
+    stand-in server args and cache params carrying only what the linker reads."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.storage.kvcr.kvcr_direct_linker import KVCRDirectLinker
+
+    server_args = SimpleNamespace(
+        model_path=model, revision=None, speculative_draft_model_path=draft
+    )
+    cache_params = SimpleNamespace(
+        token_to_kv_pool_allocator=allocator or PoolAllocator(pool),
+        page_size=page_size,
+        attn_tp_cache_group=None,
+        tp_cache_group=None,
+        **params,
+    )
+    return KVCRDirectLinker(
+        server_args,
+        cache_params,
+        components=set(components),
+        extra_config=dict(config),
+        forward_stream=None,
+    )

@@ -198,29 +198,11 @@ def make_pool() -> Any:
     )
 
 
-class _Allocator:
-    def __init__(self, kvcache: Any) -> None:
-        self._kvcache = kvcache
-
-    def get_kvcache(self) -> Any:
-        return self._kvcache
-
-
 def make_linker(pool: Any, **overrides: Any) -> Any:
-    from sglang.srt.mem_cache.storage.kvcr.kvcr_direct_linker import KVCRDirectLinker
+    from cpu_harness import kvcr_stack
 
-    params = SimpleNamespace(
-        token_to_kv_pool_allocator=_Allocator(pool),
-        page_size=PAGE,
-        attn_tp_cache_group=None,
-        tp_cache_group=None,
-    )
-    return KVCRDirectLinker(
-        SimpleNamespace(model_path="kvcr-faults", revision=None),
-        params,
-        components={0},
-        extra_config={**BASE_CONFIG, **overrides},
-        forward_stream=None,
+    return kvcr_stack.bare_linker(
+        pool, PAGE, {**BASE_CONFIG, **overrides}, model="kvcr-faults"
     )
 
 
@@ -269,6 +251,21 @@ def restore(linker: Any, rid: str, hashes: list[str], pages: list[int]) -> bool:
     index = linker.start_layer_wise_loading()
     assert index >= 0
     return bool(linker.finish_layer_wise_loading(index))
+
+
+def local_round_trip(
+    linker: Any, pool: Any, tag: str, src: int, dst: int, *, seed: int
+) -> tuple[bool, bool]:
+    """Fill page ``src``, offload it, restore it into ``dst``: (stored, exact)."""
+    fill_pages(pool, [src], seed=seed)
+    hashes = page_hashes(1, tag)
+    stored = offload_and_commit(linker, hashes, [src])
+    prepare(linker, tag, hashes)
+    exact = restore(linker, tag, hashes, [dst]) and page_bytes(pool, dst) == page_bytes(
+        pool, src
+    )
+    linker.finish_request(tag)
+    return stored, exact
 
 
 def kvcr_claims(linker: Any) -> int:
@@ -1464,15 +1461,9 @@ def _peer_sequence(
     killed.details["quarantined_ops_reported"] = uncertain
     killed.check("KVCR reports the dead peer's operation quarantined", uncertain >= 1)
     # B keeps working locally while the quarantine stands.
-    fill_pages(pool_b, [60], seed=73)
-    local = page_hashes(1, "peer-local")
-    killed.check("B still offloads", offload_and_commit(b, local, [60]))
-    prepare(b, "local", local)
-    local_ok = restore(b, "local", local, [61]) and page_bytes(
-        pool_b, 61
-    ) == page_bytes(pool_b, 60)
+    stored, local_ok = local_round_trip(b, pool_b, "peer-local", 60, 61, seed=73)
+    killed.check("B still offloads", stored)
     killed.check("B still restores its own pages byte-exact", local_ok)
-    b.finish_request("local")
     killed.claims_leaked = sum(settle(b)) + sum(settle(b2))
     killed.output_matches_control = kill_hits == [[], []] and local_ok
     killed.outcome = (
@@ -1548,15 +1539,9 @@ def _peer_sequence(
         "pages fetched before the flush are a miss",
         b.lookup("gone", kv_transfer(fresh)) == [],
     )
-    fill_pages(pool_b, [62], seed=97)
-    after = page_hashes(1, "after-flush")
-    flush.check("the new KVCR stores", offload_and_commit(b, after, [62]))
-    prepare(b, "after", after)
-    flush_ok = restore(b, "after", after, [63]) and page_bytes(
-        pool_b, 63
-    ) == page_bytes(pool_b, 62)
+    stored, flush_ok = local_round_trip(b, pool_b, "after-flush", 62, 63, seed=97)
+    flush.check("the new KVCR stores", stored)
     flush.check("the new KVCR restores byte-exact", flush_ok)
-    b.finish_request("after")
     flush.claims_leaked = sum(settle(b))
     retained0 = retained_count()
     h_frozen.finish(allow_retained=True)

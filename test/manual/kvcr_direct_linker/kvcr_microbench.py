@@ -308,14 +308,6 @@ def metric(
 # ---- linker over a real CPU pool -----------------------------------------------
 
 
-class _Allocator:
-    def __init__(self, kvcache: Any) -> None:
-        self._kvcache = kvcache
-
-    def get_kvcache(self) -> Any:
-        return self._kvcache
-
-
 @dataclass
 class Geometry:
     layers: int
@@ -349,7 +341,7 @@ def make_pool(geo: Geometry, pages: int) -> Any:
 
 
 def make_linker(pool: Any, geo: Geometry, kvcr_pages: int, **overrides: Any) -> Any:
-    from sglang.srt.mem_cache.storage.kvcr.kvcr_direct_linker import KVCRDirectLinker
+    from cpu_harness import kvcr_stack
 
     config = {
         "local_dram_bytes_per_worker": kvcr_pages * geo.page_bytes,
@@ -361,16 +353,7 @@ def make_linker(pool: Any, geo: Geometry, kvcr_pages: int, **overrides: Any) -> 
         "max_abandoned_bytes": 4 * _GIB,
         **overrides,
     }
-    params = SimpleNamespace(
-        token_to_kv_pool_allocator=_Allocator(pool),
-        page_size=geo.page,
-        attn_tp_cache_group=None,
-        tp_cache_group=None,
-    )
-    server_args = SimpleNamespace(model_path="bench-geometry", revision=None)
-    return KVCRDirectLinker(
-        server_args, params, components={0}, extra_config=config, forward_stream=None
-    )
+    return kvcr_stack.bare_linker(pool, geo.page, config, model="bench-geometry")
 
 
 def kv_transfer(geo: Geometry, hashes: list[str], pages: list[int] | None = None):

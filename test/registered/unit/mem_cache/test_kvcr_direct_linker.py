@@ -11,8 +11,8 @@ import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
+from cpu_harness import kvcr_stack
 from sglang.srt.mem_cache.storage.kvcr.errors import KVCRConfigError
-from sglang.srt.mem_cache.storage.kvcr.kvcr_direct_linker import KVCRDirectLinker
 from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
 
 pytestmark = pytest.mark.kvcr
@@ -22,16 +22,6 @@ LAYERS = 2
 HEADS = 2
 DIM = 8
 POOL_TOKENS = 64 * PAGE
-
-
-class _Allocator:
-    """Hands the linker the pool, as sglang's allocator does (get_kvcache)."""
-
-    def __init__(self, kvcache):
-        self._kvcache = kvcache
-
-    def get_kvcache(self):
-        return self._kvcache
 
 
 def make_pool():
@@ -57,20 +47,12 @@ def make_linker(pool, draft_pools=(), **overrides):
         "preparation_timeout_ms": 2000,
         **overrides,
     }
-    server_args = SimpleNamespace(
-        model_path="tiny-test",
-        revision=None,
-        speculative_draft_model_path="tiny-draft" if draft_pools else None,
-    )
-    params = SimpleNamespace(
-        token_to_kv_pool_allocator=_Allocator(pool),
-        page_size=PAGE,
-        attn_tp_cache_group=None,
-        tp_cache_group=None,
+    return kvcr_stack.bare_linker(
+        pool,
+        PAGE,
+        config,
+        draft="tiny-draft" if draft_pools else None,
         sidecar_draft_device_pools=tuple(draft_pools),
-    )
-    return KVCRDirectLinker(
-        server_args, params, components={0}, extra_config=config, forward_stream=None
     )
 
 

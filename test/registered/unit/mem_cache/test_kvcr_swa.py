@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-from sglang.srt.mem_cache.storage.kvcr.kvcr_direct_linker import KVCRDirectLinker
+from cpu_harness import kvcr_stack
 from sglang.srt.mem_cache.storage.kvcr.kvcr_layout import KVCRLayoutError
 from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
 
@@ -32,14 +31,6 @@ FULL_LAYERS = (0, 2)
 SWA_LAYERS = (1, 3)
 WINDOW_PAGES = 2
 FULL_SWA = {ComponentType.FULL, ComponentType.SWA}
-
-
-class _Allocator:
-    def __init__(self, kvcache):
-        self._kvcache = kvcache
-
-    def get_kvcache(self):
-        return self._kvcache
 
 
 def make_swa_pool():
@@ -66,21 +57,8 @@ def make_linker(pool, components=FULL_SWA, **overrides):
         "preparation_timeout_ms": 2000,
         **overrides,
     }
-    server_args = SimpleNamespace(
-        model_path="tiny-swa", revision=None, speculative_draft_model_path=None
-    )
-    params = SimpleNamespace(
-        token_to_kv_pool_allocator=_Allocator(pool),
-        page_size=PAGE,
-        attn_tp_cache_group=None,
-        tp_cache_group=None,
-    )
-    return KVCRDirectLinker(
-        server_args,
-        params,
-        components=set(components),
-        extra_config=config,
-        forward_stream=None,
+    return kvcr_stack.bare_linker(
+        pool, PAGE, config, components=components, model="tiny-swa"
     )
 
 
@@ -448,27 +426,18 @@ def test_unified_memory_swa_allocator_is_refused_naming_the_flag(pool):
         UnifiedSWAAllocatorBase,
     )
 
-    class _Unified(_Allocator, UnifiedSWAAllocatorBase):
-        def __init__(self, kvcache):
-            _Allocator.__init__(self, kvcache)  # no real unified pool behind it
+    class _Unified(kvcr_stack.PoolAllocator, UnifiedSWAAllocatorBase):
+        pass  # no real unified pool behind it: only its type is inspected
 
-    _Unified.__abstractmethods__ = frozenset()  # only its type is inspected
+    _Unified.__abstractmethods__ = frozenset()
 
-    config = {"local_dram_bytes_per_worker": 1 << 20}
-    params = SimpleNamespace(
-        token_to_kv_pool_allocator=_Unified(pool),
-        page_size=PAGE,
-        attn_tp_cache_group=None,
-        tp_cache_group=None,
-    )
-    server_args = SimpleNamespace(model_path="m", revision=None)
     with pytest.raises(KVCRLayoutError, match="--enable-unified-memory"):
-        KVCRDirectLinker(
-            server_args,
-            params,
-            components=set(FULL_SWA),
-            extra_config=config,
-            forward_stream=None,
+        kvcr_stack.bare_linker(
+            pool,
+            PAGE,
+            {"local_dram_bytes_per_worker": 1 << 20},
+            components=FULL_SWA,
+            allocator=_Unified(pool),
         )
 
 

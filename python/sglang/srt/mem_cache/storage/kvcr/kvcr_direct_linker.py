@@ -1016,7 +1016,11 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             if dest:
                 slots = [s for job in jobs for s in job.slots[pool.name]]
                 moves[pool.name] = (dest, slots)
-        plans = {name: CpuRestorePlan(d, s) for name, (d, s) in moves.items()}
+        plans = (  # the CPU path's copy plan; the CUDA gather indexes per layer
+            {name: CpuRestorePlan(d, s) for name, (d, s) in moves.items()}
+            if self._cuda_gather is None
+            else {}
+        )
         stores = {
             pool.name: wide_rows(self._storage[pool.name].view(-1, pool.page_bytes))
             for pool in self.layout.pools
