@@ -150,11 +150,12 @@ def test_offload_then_restore_into_other_slots_is_byte_exact(pool, linker):
 
 
 def test_gpu_restore_branch_gathers_byte_exact_on_cpu(pool, linker):
-    """The GPU restore branch (gather into a staging buffer, scatter into the pool
-    rows), driven through the linker with its CPU variant: bytes land exactly."""
-    from sglang.srt.mem_cache.storage.kvcr.restore_copy import RowGather
+    """The GPU restore branch (slot-run spans through a scratch buffer, scattered
+    into the pool rows), driven through the linker with its CPU variant: bytes
+    land exactly."""
+    from sglang.srt.mem_cache.storage.kvcr.restore_copy import SpanRestore
 
-    linker._cuda_gather = RowGather(cuda=False)
+    linker._span_restore = span = SpanRestore(torch.device("cpu"))
     fill_pages(pool, [1, 2, 3], seed=31)
     hashes = page_hashes(3, "gpu-branch")
     originals = [page_bytes(pool, p).clone() for p in (1, 2, 3)]
@@ -167,6 +168,7 @@ def test_gpu_restore_branch_gathers_byte_exact_on_cpu(pool, linker):
     for original, page in zip(originals, (21, 23, 22), strict=True):
         assert torch.equal(page_bytes(pool, page), original)
     assert torch.equal(page_bytes(pool, 25), untouched)
+    assert span.span_copies >= 1
 
 
 def test_lookup_reports_only_claimed_prefix_and_follows_the_device_prefix(pool, linker):

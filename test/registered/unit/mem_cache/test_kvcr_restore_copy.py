@@ -125,28 +125,40 @@ def test_nan_payloads_survive_the_restore_copy(source, dest) -> None:
         assert torch.equal(dst, expected)  # compared as integers: every bit
 
 
-@pytest.mark.parametrize("row_bytes", [64, 36])
-def test_staged_gather_path_matches_row_copies(row_bytes) -> None:
-    """The GPU restore's gather -> staging buffer -> scatter steps, run on the CPU:
-    every part of every page lands in its row, across reuses of the buffer."""
-    from sglang.srt.mem_cache.storage.kvcr.restore_copy import RowGather
+@pytest.mark.parametrize("row_bytes", [64, 36])  # 36: byte rows, not words
+@pytest.mark.parametrize("source", ["object_major", "shuffled", "scattered_parts"])
+def test_span_restore_matches_row_copies(row_bytes, source) -> None:
+    """The GPU restore's steps (span copies into a reused scratch buffer, device-
+    side scatter per part, row copies for fragmented runs), run on the CPU: every
+    part of every page lands in its row, and only those rows change."""
+    from sglang.srt.mem_cache.storage.kvcr.restore_copy import SpanRestore
 
-    rng = random.Random(row_bytes)
-    gather = RowGather(cuda=False)
-    store = wide_rows(torch.randint(0, 256, (60, row_bytes), dtype=torch.uint8))
-    for layer in range(3):  # the staging buffer is reused (and grows) per layer
-        pages = 4 + 3 * layer
-        slots = [tuple(rng.sample(range(60), 2)) for _ in range(pages)]
-        dest = rng.sample(range(40), pages)
-        dsts = [
-            wide_rows(torch.randint(0, 256, (40, row_bytes), dtype=torch.uint8))
-            for _ in range(2)
-        ]
-        expected = [
-            _reference(d, dest, store, slots, part) for part, d in enumerate(dsts)
-        ]
-        gather.copy_layer(
-            [(d, dest, store, [s[part] for s in slots]) for part, d in enumerate(dsts)]
-        )
-        for got, want in zip(dsts, expected, strict=True):
-            assert same_bytes(got, want)
+    rng = random.Random(f"{row_bytes}{source}")
+    parts, pages, store_rows = 4, 24, 200
+    if source == "scattered_parts":  # parts of one object far apart: row copies
+        slots = [tuple(rng.sample(range(store_rows), parts)) for _ in range(pages)]
+    else:
+        order = list(range(pages))
+        if source == "shuffled":
+            rng.shuffle(order)
+        slots = [tuple(range(parts * o, parts * o + parts)) for o in order]
+    dest = rng.sample(range(40), pages)
+    store = torch.randint(0, 256, (store_rows, row_bytes), dtype=torch.uint8)
+    dsts = [torch.randint(0, 256, (40, row_bytes), dtype=torch.uint8) for _ in range(parts)]
+    expected = [_reference(d, dest, store, slots, p) for p, d in enumerate(dsts)]
+    # Scratch of three pages' span: runs are chunked and the buffer reused.
+    span = SpanRestore(torch.device("cpu"), scratch_bytes=3 * parts * row_bytes)
+    calls = []
+
+    def host_dest():
+        calls.append(1)
+        return list(dest)
+
+    span.copy_pool(dsts, torch.tensor(dest), store, slots, host_dest)
+    for got, want in zip(dsts, expected, strict=True):
+        assert torch.equal(got, want)
+    if source == "scattered_parts":
+        assert span.row_copies == pages * parts and calls == [1]
+    else:
+        assert span.row_copies == 0 and not calls
+        assert span.span_copies >= pages // 3  # chunked through the small scratch

@@ -36,6 +36,13 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
 
 from sglang.srt.mem_cache.storage.kvcr import kvcr_layout
 from sglang.srt.mem_cache.storage.kvcr.config import KVCRLinkerConfig
+from sglang.srt.mem_cache.storage.kvcr.device_streams import (
+    DeviceBinding,
+    drain,
+    fences_done,
+    wait_fences,
+)
+from sglang.srt.mem_cache.storage.kvcr.host_memory import HostMemory
 from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import (
     AdapterLimits,
     Deposit,
@@ -58,7 +65,7 @@ from sglang.srt.mem_cache.storage.kvcr.offload_staging import HostStaging, Stage
 from sglang.srt.mem_cache.storage.kvcr.plugin import refuse_unsupported_topology
 from sglang.srt.mem_cache.storage.kvcr.restore_copy import (
     CpuRestorePlan,
-    RowGather,
+    SpanRestore,
     wide_rows,
 )
 from sglang.srt.mem_cache.storage.kvcr.router_hint import (
@@ -152,8 +159,9 @@ class Preparation:
 @dataclasses.dataclass(slots=True)
 class _LoadJob:
     rid: str
-    # per KVCR pool: destination device pages, and slot element indices [page][part]
-    dest_pages: dict[str, list[int]]
+    # per KVCR pool: destination device pages (an index tensor on the pools'
+    # device, empty unless complete), and slot element indices [page][part]
+    dest_pages: dict[str, torch.Tensor]
     slots: dict[str, list[tuple[int, ...]]]
     claims: list[int]
     complete: bool  # every page claimed in every pool; else nothing is copied
@@ -178,6 +186,26 @@ class _Offload:
 
     def fail(self) -> None:
         self.ok, self.result = False, False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _PoolPages:
+    """The pages one offload stores in one KVCR pool: page hashes and their device
+    page numbers (a tensor; on the host once a direct offload is deferred)."""
+
+    pool: Any
+    keys: list[str]
+    pages: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _DeferredOffload:
+    """A direct-path offload waiting for its fences (pages written, numbers on
+    the host) before its deposits are built."""
+
+    record: _Offload
+    groups: list[_PoolPages]  # the KV pool's group first
+    fences: tuple[Any, ...]
 
 
 @dataclasses.dataclass(slots=True)
@@ -249,7 +277,12 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self._window_names = frozenset(p.name for p in self._window_pools)
         self.num_layers = self.layout.num_layers
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
-        self._is_cuda = str(kvcache.device) != "cpu"
+        # The rank's device, captured here on the scheduler thread: side threads
+        # start on device 0 and bind to it before touching CUDA.
+        self._device = DeviceBinding.of(self.layout.pools[0].tensors[0].device)
+        self._is_cuda = self._device.is_cuda
+        # KVCR DRAM and staging, locked at exactly their size on GPU hosts.
+        self._memory = HostMemory(pin=self._is_cuda)
         # Bytes of one page of each KVCR pool (every part), and across all pools.
         self._pool_page_bytes = {
             p.name: p.page_bytes * len(p.spans) for p in self.layout.pools
@@ -266,10 +299,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         )
         # KVCR-owned DRAM; pinned on GPU hosts so restores can be asynchronous.
         self._storage = {
-            pool.name: torch.zeros(
-                pool.bytes, dtype=torch.uint8, pin_memory=self._is_cuda
-            )
-            for pool in plan.pools
+            pool.name: self._memory.alloc(pool.bytes) for pool in plan.pools
         }
         # Restore destinations: each part's device buffer as one row per page.
         self._dest_rows = {
@@ -282,8 +312,8 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             name: [wide_rows(rows) for rows in parts]
             for name, parts in self._dest_rows.items()
         }
-        # CUDA restores gather through pinned memory (see restore_copy).
-        self._cuda_gather = RowGather(cuda=True) if self._is_cuda else None
+        # CUDA restores move whole slot runs from locked DRAM (see restore_copy).
+        self._span_restore = SpanRestore(self._device.device) if self._is_cuda else None
         self._agent = ""
         self._staging = self._make_staging()
         self._factory_args: dict[str, Any] = {
@@ -322,9 +352,9 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self._abandoned: dict[int, int] = {}  # fetch op of a dropped prep -> bytes
         self._offload_fifo: collections.deque[_Offload] = collections.deque()
         self._offload_pending: dict[int, _Offload] = {}  # deposit op -> offload
-        # Direct-path offloads built and submitted by the next pump:
-        # (offload, [(KVCR pool, page hash, device page, ordinal)]).
-        self._deferred_deposits: list[tuple[_Offload, list[Any]]] = []
+        # Direct-path offloads built and submitted by a pump once their fences
+        # have completed, in order.
+        self._deferred_deposits: list[_DeferredOffload] = []
         self._resident: set[bytes] = set()
         self._removed_hashes: list[str] = []
         self._queued_loads: dict[str, _LoadJob] = {}
@@ -339,9 +369,9 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             if self._staging is not None:
                 self._staging.close(cfg.owner_wait_timeout_s)
             raise
-        self._loader_jobs: queue.SimpleQueue[tuple[int, list[_LoadJob]] | None] = (
-            queue.SimpleQueue()
-        )
+        self._loader_jobs: queue.SimpleQueue[
+            tuple[int, list[_LoadJob], tuple[Any, ...]] | None
+        ] = queue.SimpleQueue()
         self._loader = threading.Thread(
             target=self._loader_main, name=f"kvcr-loader-r{self._rank}", daemon=True
         )
@@ -363,7 +393,13 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         pages = max(
             1, min(self.config.max_inflight_offload_bytes // self._page_total, 1 << 16)
         )
-        return HostStaging(self.layout.pools, self._dest_rows, pages, pin=self._is_cuda)
+        return HostStaging(
+            self.layout.pools,
+            self._dest_rows,
+            pages,
+            memory=self._memory,
+            device=self._device,
+        )
 
     def _start_adapter(self) -> KVCRAdapter:
         # A fresh NIXL agent name per KVCR incarnation: peers and this process may
@@ -405,7 +441,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             # and give the new KVCR fresh memory.
             self._quarantined.extend(self._storage.values())
             self._storage = {
-                name: torch.zeros_like(t) for name, t in self._storage.items()
+                name: self._memory.alloc(t.numel()) for name, t in self._storage.items()
             }
             self._factory_args["local_dram_pools"] = self.layout.local_dram_regions(
                 list(self._storage.values())
@@ -424,15 +460,24 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         logger.info("KVCR linker reset: residency cleared, endpoint=%s", self.endpoint)
 
     def close(self) -> None:
+        timeout = self.config.owner_wait_timeout_s
         self._quiesce_loads()
         self._deferred_deposits.clear()
         self._loader_jobs.put(None)
-        self._loader.join(self.config.owner_wait_timeout_s)
+        self._loader.join(timeout)
+        stopped = not self._loader.is_alive()
+        if not stopped:
+            logger.error("KVCR restore loader did not stop within %.1f s", timeout)
         if self._staging is not None:
-            self._staging.close(self.config.owner_wait_timeout_s)
+            stopped = self._staging.close(timeout) and stopped
         self._release_all()
         self._log_stats(force=True)
-        self._adapter.close()
+        if self._adapter.close() and stopped:
+            # Nothing can touch the buffers any more: unlock them.
+            for storage in self._storage.values():
+                self._memory.release(storage)
+            if self._staging is not None:
+                self._staging.release()
 
     def _quiesce_loads(self) -> None:
         self._queued_loads.clear()
@@ -752,12 +797,11 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             return False
         prep = self._preps.get(rid)
         page_hashes = list(kv.keys)
-        dest: dict[str, list[int]] = {p.name: [] for p in self.layout.pools}
         slots: dict[str, list[tuple[int, ...]]] = {
             p.name: [] for p in self.layout.pools
         }
         claims: list[int] = []
-        complete = prep is not None
+        complete = prep is not None and kv.device_indices is not None
         # Window pools restore the SWA transfer's pages (the trailing window).
         window = by_name.get(PoolName.SWA)
         window_index = (
@@ -767,30 +811,36 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         )
         if self._window_names and (
             window is None
+            or window.device_indices is None
             or not window_index
             or list(window_index) != page_hashes[-len(window_index) :]
         ):
             complete = False  # the window must be the restored pages' trailing ones
-        for i, page_hash in enumerate(page_hashes):
+        for page_hash in page_hashes:
             index = None if prep is None else self._page_index(prep, page_hash)
             landed = (
                 None if prep is None or index is None else prep.landed.pop(index, None)
             ) or {}
             claims.extend(c for c, _ in landed.values())  # all released after delivery
             for pool in self.layout.pools:
-                source, j = kv, i
-                if pool.trailing:
-                    if window is None or page_hash not in window_index:
-                        continue
-                    source, j = window, window_index[page_hash]
+                if pool.trailing and page_hash not in window_index:
+                    continue
                 entry = landed.get(pool.name)
                 if entry is None:
                     complete = False
                     continue
-                dest[pool.name].append(
-                    int(source.device_indices[j * self.page_size]) // self.page_size
-                )
                 slots[pool.name].append(entry[1])
+        # Destination pages stay where SGLang computed them (no host sync): the
+        # full pools take the KV transfer's pages in order, window pools the SWA
+        # transfer's (its keys are the tail's trailing pages, checked above).
+        dest: dict[str, torch.Tensor] = {}
+        if complete:
+            for pool in self.layout.pools:
+                source = window if pool.trailing else kv
+                assert source is not None and source.device_indices is not None
+                dest[pool.name] = _page_numbers(
+                    source.device_indices, len(slots[pool.name]), self.page_size
+                )
         # Queued regardless (the answer depends on the transfers only, so every
         # rank agrees); a missing claim fails the batch and the wrapper aborts it.
         self._queued_loads[rid] = _LoadJob(rid, dest, slots, claims, complete)
@@ -808,7 +858,11 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         index = self.layer_done_counter.update_producer()
         self._batches[index] = jobs
         if self._is_cuda:
-            self._loader_jobs.put((index, jobs))  # layer by layer beside the forward
+            # Layer by layer beside the forward, after the destination indices
+            # (current stream) and the launched batch (forward stream: pages
+            # freed by overlap scheduling may still be written by it).
+            fences = self._device.record_fences(self.forward_stream)
+            self._loader_jobs.put((index, jobs, fences))
         else:
             # CPU pools: copy now on this thread's intra-op threads. The forward
             # needs the same cores, and a loader thread's own OpenMP team would
@@ -826,7 +880,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
                 len(pages) * self._pool_page_bytes[name]
                 for job in jobs
                 if job.complete
-                for name, pages in job.dest_pages.items()
+                for name, pages in job.slots.items()
             )
         claims = [c for job in jobs for c in job.claims]
         if claims:
@@ -856,51 +910,51 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             for op_id in [k for k, v in self._offload_pending.items() if v is record]:
                 del self._offload_pending[op_id]
             self._deferred_deposits = [
-                d for d in self._deferred_deposits if d[0] is not record
+                d for d in self._deferred_deposits if d.record is not record
             ]
             raise
 
     def _offload(self, record: _Offload, transfers: list[PoolTransfer]) -> bool:
         by_name = {t.name: t for t in transfers}
         kv = by_name.get(PoolName.KV)
-        if kv is None or not kv.keys:
+        if kv is None or not kv.keys or kv.device_indices is None:
             record.fail()
             return True
-        # (pool, page hash, device page, staging ordinal) per KVCR block; window
-        # pools store the SWA transfer's pages (those still holding window KV).
+        # Per KVCR pool: the page hashes it stores and their device pages (a tensor
+        # on the pools' device: nothing here waits for the GPU). Window pools store
+        # the SWA transfer's pages (those still holding window KV).
         step = self.page_size
         kv_keys = list(kv.keys)
-        kv_pages = (kv.device_indices[: len(kv_keys) * step : step] // step).tolist()
-        ordinal = {h: i for i, h in enumerate(kv_keys)}
+        ordinal = {h: i for i, h in enumerate(kv_keys)}  # staging ordinal per page
+        kv_pages = _page_numbers(kv.device_indices, len(kv_keys), step)
         window = by_name.get(PoolName.SWA)
-        window_pages: list[tuple[str, int]] = []
+        window_keys: list[str] = []
+        window_pages = kv_pages[:0]
         if window is not None and window.keys and window.device_indices is not None:
-            pages = window.device_indices[: len(window.keys) * step : step] // step
-            window_pages = [
-                (h, p)
-                for h, p in zip(window.keys, pages.tolist(), strict=True)
-                if h in ordinal
-            ]
-        items = [
-            (pool, h, p, ordinal[h])
-            for pool in self.layout.pools
-            for h, p in (
-                window_pages if pool.trailing else zip(kv_keys, kv_pages, strict=True)
+            keep = [j for j, h in enumerate(window.keys) if h in ordinal]
+            window_keys = [window.keys[j] for j in keep]
+            window_pages = _select(
+                _page_numbers(window.device_indices, len(window.keys), step), keep
             )
+        groups = [
+            _PoolPages(pool, window_keys, window_pages)
+            if pool.trailing
+            else _PoolPages(pool, kv_keys, kv_pages)
+            for pool in self.layout.pools
         ]
-        nbytes = sum(self._pool_page_bytes[pool.name] for pool, *_ in items)
+        groups = [g for g in groups if g.keys]
+        nbytes = sum(self._pool_page_bytes[g.pool.name] * len(g.keys) for g in groups)
         self.stats.offload_pages += len(kv_keys)
         record.nbytes = nbytes
         events = tuple(self.record_offload_ready()) if self._is_cuda else ()
         staging = self._staging
         if staging is None:
-            # Direct path: built and submitted at the next pump (the scheduler's
-            # next step). Done here, one MemoryRef per page and span, then KVCR's
-            # deposit on the owner thread contending for the GIL, would hold up
-            # this thread, which has the batch's output to stream.
-            for event in events:
-                event.synchronize()
-            self._deferred_deposits.append((record, items))
+            # Direct path: built and submitted by a later pump, once the events say
+            # the pages are written and their numbers have reached the host (no
+            # wait here: this thread has the batch's output to stream).
+            host = [dataclasses.replace(g, pages=_to_host(g.pages)) for g in groups]
+            fences = (*events, *self._device.record_fences(None))
+            self._deferred_deposits.append(_DeferredOffload(record, host, fences))
             return True
         slots = staging.alloc(len(kv_keys))
         if slots is None:
@@ -909,10 +963,11 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             return True
         try:
             blocks = {
-                self.layout.block_key(h, pool.name): staging.memory_refs(
-                    self._agent, pool, slots[i]
+                self.layout.block_key(h, g.pool.name): staging.memory_refs(
+                    self._agent, g.pool, slots[ordinal[h]]
                 )
-                for pool, h, _, i in items
+                for g in groups
+                for h in g.keys
             }
         except BaseException:
             staging.free(slots)
@@ -926,12 +981,8 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         staging.stage(
             StageJob(
                 copies=tuple(
-                    (
-                        pool.name,
-                        tuple(p for q, _, p, _ in items if q is pool),
-                        tuple(slots[i] for q, _, _, i in items if q is pool),
-                    )
-                    for pool in self.layout.pools
+                    (g.pool.name, g.pages, tuple(slots[ordinal[h]] for h in g.keys))
+                    for g in groups
                 ),
                 events=events,
                 submit=lambda: adapter.submit(deposit),
@@ -941,18 +992,32 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         return True
 
     def _submit_deferred_deposits(self) -> None:
-        """Large offloads go as ``_DEPOSIT_PARTS`` deposits, so KVCR's per-block
+        """Submit the direct-path offloads whose pages are ready, in order.
+
+        Large offloads go as ``_DEPOSIT_PARTS`` deposits, so KVCR's per-block
         Python work on the owner thread for the second overlaps the copy of the
-        first. CPU, 3000-token Qwen3-0.6B-like request, 11 interleaved reps:
-        1/2/3/4 deposits gave 5.04/5.26/4.08/3.94 GB/s (raw NIXL 7.21 GB/s)."""
-        deferred, self._deferred_deposits = self._deferred_deposits, []
-        for record, items in deferred:
-            pages = 1 + max(item[3] for item in items)
+        first (see the docs' performance notes for the measured split)."""
+        ready = 0
+        for deferred in self._deferred_deposits:
+            if not fences_done(deferred.fences):
+                break
+            ready += 1
+        batch = self._deferred_deposits[:ready]
+        del self._deferred_deposits[:ready]
+        for deferred in batch:
+            record = deferred.record
+            items = [
+                (g.pool, h, p)
+                for g in deferred.groups
+                for h, p in zip(g.keys, g.pages.tolist(), strict=True)
+            ]
+            kv_group = next(g for g in deferred.groups if not g.pool.trailing)
+            order = {h: i for i, h in enumerate(kv_group.keys)}
             parts = _DEPOSIT_PARTS if record.nbytes >= _SPLIT_DEPOSIT_BYTES else 1
-            half = -(-pages // parts)
+            half = -(-len(order) // parts)
             chunks: dict[int, list[Any]] = {}
             for item in items:
-                chunks.setdefault(item[3] // half, []).append(item)
+                chunks.setdefault(order.get(item[1], 0) // half, []).append(item)
             try:
                 deposits = [
                     Deposit(
@@ -961,7 +1026,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
                             self.layout.block_key(h, pool.name): pool.memory_refs(
                                 self._agent, p
                             )
-                            for pool, h, p, _ in chunk
+                            for pool, h, p in chunk
                         },
                         nbytes=sum(
                             self._pool_page_bytes[pool.name] for pool, *_ in chunk
@@ -994,65 +1059,80 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
     # ---- restore copy (loader thread or inline; touches no KVCR API) -------------
 
     def _loader_main(self) -> None:
+        self._device.bind_thread()  # this thread started on device 0
+        stream = self._device.new_stream()
         while True:
             item = self._loader_jobs.get()
             if item is None:
                 return
-            self._run_copy(*item)
+            index, jobs, fences = item
+            self._run_copy(index, jobs, fences, stream)
 
-    def _run_copy(self, index: int, jobs: list[_LoadJob]) -> None:
+    def _run_copy(
+        self,
+        index: int,
+        jobs: list[_LoadJob],
+        fences: tuple[Any, ...] = (),
+        stream: Any = None,
+    ) -> None:
         try:
-            self._copy_batch(index, jobs)
+            with self._device.on(stream):
+                wait_fences(stream, fences)
+                self._copy_batch(index, jobs, stream)
         except BaseException as exc:
             logger.exception("KVCR restore copy failed; no new restores until restart")
+            try:
+                drain(stream)  # queued writes land before the slots are given back
+            except BaseException:
+                logger.exception("KVCR restore stream could not be drained")
             self._restore_failed = True
             self.layer_done_counter.fail(index, exc)
 
-    def _copy_batch(self, index: int, jobs: list[_LoadJob]) -> None:
+    def _copy_batch(self, index: int, jobs: list[_LoadJob], stream: Any) -> None:
         jobs = [job for job in jobs if job.complete]
         moves = {}  # pool name -> (destination pages, source slots) of the batch
         for pool in self.layout.pools:
-            dest = [p for job in jobs for p in job.dest_pages[pool.name]]
-            if dest:
-                slots = [s for job in jobs for s in job.slots[pool.name]]
-                moves[pool.name] = (dest, slots)
-        plans = (  # the CPU path's copy plan; the CUDA gather indexes per layer
-            {name: CpuRestorePlan(d, s) for name, (d, s) in moves.items()}
-            if self._cuda_gather is None
-            else {}
-        )
+            parts = [job for job in jobs if job.slots[pool.name]]
+            if parts:
+                moves[pool.name] = (
+                    torch.cat([job.dest_pages[pool.name] for job in parts]),
+                    [s for job in parts for s in job.slots[pool.name]],
+                )
+        if self._span_restore is not None:
+            # Whole slot runs per pool, every layer at once (see SpanRestore);
+            # layers complete when the stream has drained.
+            for name, (dest, slots) in moves.items():
+                store, targets = _word_rows(
+                    self._storage[name].view(-1, self._pool(name).page_bytes),
+                    self._dest_rows[name],
+                )
+                self._span_restore.copy_pool(
+                    targets, dest, store, slots, host_dest=dest.tolist
+                )
+            drain(stream)
+            for layer in range(self.num_layers):
+                self.layer_done_counter.complete(index, layer)
+            return
+        plans = {name: CpuRestorePlan(d, s) for name, (d, s) in moves.items()}
         stores = {
             pool.name: wide_rows(self._storage[pool.name].view(-1, pool.page_bytes))
             for pool in self.layout.pools
         }
         for layer in range(self.num_layers):
-            parts = [
-                (pool.name, part)
-                for pool in self.layout.pools
-                if pool.name in moves
-                for part in pool.layer_part_indices(layer)
-            ]
-            if self._cuda_gather is not None and parts:
-                self._cuda_gather.copy_layer(
-                    [
-                        (
-                            target,
-                            moves[name][0],
-                            store,
-                            [s[part] for s in moves[name][1]],
-                        )
-                        for name, part in parts
-                        for target, store in [
-                            _same_width(self._wide_dest[name][part], stores[name])
-                        ]
-                    ]
-                )
-            elif parts:
-                for name, part in parts:
-                    plans[name].copy_part(
-                        *_same_width(self._wide_dest[name][part], stores[name]), part
+            for pool in self.layout.pools:
+                if pool.name not in moves:
+                    continue
+                for part in pool.layer_part_indices(layer):
+                    plans[pool.name].copy_part(
+                        *_same_width(
+                            self._wide_dest[pool.name][part], stores[pool.name]
+                        ),
+                        part,
                     )
             self.layer_done_counter.complete(index, layer)
+
+    def _pool(self, name: str) -> Any:
+        return next(p for p in self.layout.pools if p.name == name)
 
     # ---- stats -----------------------------------------------------------------
 
@@ -1076,6 +1156,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             f"admission_held={s.admission_held} "
             f"admission_held_passes={s.admission_held_passes} "
             f"quarantined_bytes={self.quarantined_bytes()} "
+            f"pinned_bytes={self.pinned_bytes()} "
             f"prepared={s.prepared} prepared_pages={s.prepared_pages} "
             f"deadline_expired={s.prepare_deadline_expired} "
             f"evicted_pages={s.evicted_pages} "
@@ -1094,11 +1175,26 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             self._last_stats_log = now
             logger.info("%s", self.stats_line())
 
+    def pinned_bytes(self) -> int:
+        """Host bytes page-locked for KVCR DRAM and staging (0 on CPU hosts)."""
+        return self._memory.pinned_bytes
+
     def quarantined_bytes(self) -> int:
         return sum(t.numel() for t in self._quarantined)
 
     def claims_held(self) -> int:
         return sum(len(p.claims()) for p in self._preps.values())
+
+
+def _word_rows(
+    store: torch.Tensor, parts: list[torch.Tensor]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Byte rows as 8-byte words when every one of them allows it (device kernels
+    move words faster than bytes), else all as bytes."""
+    try:
+        return store.view(torch.int64), [rows.view(torch.int64) for rows in parts]
+    except RuntimeError:  # row size or offset not a multiple of 8
+        return store, list(parts)
 
 
 def _same_width(
@@ -1220,3 +1316,27 @@ def kvcache_layout_identity(
         tp_rank=rank,
         tp_size=size,
     )
+
+
+def _page_numbers(indices: torch.Tensor, pages: int, page_size: int) -> torch.Tensor:
+    """The page numbers of the first ``pages`` pages of a token-slot index tensor,
+    computed where the tensor lives (no host sync on CUDA)."""
+    return indices[: pages * page_size : page_size] // page_size
+
+
+def _select(pages: torch.Tensor, keep: list[int]) -> torch.Tensor:
+    """``pages[keep]`` without a host sync (a leading run is a plain slice)."""
+    if keep == list(range(len(keep))):
+        return pages[: len(keep)]
+    index = torch.tensor(keep, dtype=torch.long, pin_memory=pages.is_cuda)
+    return pages.index_select(0, index.to(pages.device, non_blocking=True))
+
+
+def _to_host(pages: torch.Tensor) -> torch.Tensor:
+    """Start copying ``pages`` to page-locked host memory on the current stream
+    (complete once an event recorded after it has); CPU tensors are returned."""
+    if not pages.is_cuda:
+        return pages
+    host = torch.empty(pages.shape, dtype=pages.dtype, pin_memory=True)
+    host.copy_(pages, non_blocking=True)
+    return host

@@ -3,9 +3,11 @@
 NIXL's same-agent VRAM route is slow, so for GPU pools the linker registers a
 pinned host staging area with KVCR instead of the device buffers. An offload takes
 free staging slots (none free: the offload fails at once, counted as backpressure),
-a stager thread waits for the offload-ready events, copies the pages device-to-host
-on its own stream, and only then submits the ``Deposit``; the slots return to the
-free list when the deposit completes. The staging area holds
+a stager thread (bound to the pools' device) orders its own stream after the
+offload-ready events, gathers each part's pages on the device into a bounded
+scratch buffer, copies them asynchronously into the page-locked slots, drains the
+stream, and only then submits the ``Deposit``: KVCR never reads a slot whose copy
+is still in flight. The slots return to the free list when the deposit completes. The staging area holds
 ``max_inflight_offload_bytes`` worth of pages, which bounds in-flight offload
 memory. The stager never calls KVCR: it hands the deposit to the adapter's queue.
 """
@@ -22,15 +24,23 @@ from typing import Any
 
 import torch
 
+from sglang.srt.mem_cache.storage.kvcr.device_streams import (
+    DeviceBinding,
+    drain,
+    wait_fences,
+)
+from sglang.srt.mem_cache.storage.kvcr.host_memory import HostMemory
+
 logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StageJob:
     """Per pool, copy device pages into staging slots (same order), then run
-    ``submit``. ``copies``: ``(pool name, device pages, slots)``."""
+    ``submit``. ``copies``: ``(pool name, device page index tensor, slots)``; the
+    index tensor lives on the pools' device (no host sync to build it)."""
 
-    copies: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]
+    copies: tuple[tuple[str, torch.Tensor, tuple[int, ...]], ...]
     events: tuple[Any, ...]
     submit: Callable[[], None]
     fail: Callable[[BaseException], None]
@@ -45,17 +55,19 @@ class HostStaging:
         sources: dict[str, list[torch.Tensor]],
         pages: int,
         *,
-        pin: bool,
+        memory: HostMemory,
+        device: DeviceBinding,
     ) -> None:
         self.pages = pages
         self._pools = list(pools)
         self._sources = sources  # pool name -> per-part device rows (page, bytes)
+        self._memory = memory
+        self._device = device  # bound by the stager thread before any CUDA call
         self.buffers = {
-            p.name: torch.zeros(
-                (len(p.spans), pages, p.page_bytes), dtype=torch.uint8, pin_memory=pin
-            )
+            p.name: memory.alloc_like((len(p.spans), pages, p.page_bytes))
             for p in self._pools
         }
+        self._scratch: torch.Tensor | None = None
         self._free: collections.deque[int] = collections.deque(range(pages))
         self._jobs: queue.SimpleQueue[StageJob | None] = queue.SimpleQueue()
         self._thread = threading.Thread(
@@ -112,23 +124,37 @@ class HostStaging:
         self._jobs.put(StageJob((), (), submit=done.set, fail=lambda exc: done.set()))
         return done.wait(timeout_s)
 
-    def close(self, timeout_s: float) -> None:
+    def close(self, timeout_s: float) -> bool:
+        """Stop the stager; False when it is still running at the deadline (its
+        slots may still be written: the owner keeps the buffers locked)."""
         self._jobs.put(None)
         self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.error("KVCR stager did not stop within %.1f s", timeout_s)
+            return False
+        return True
+
+    def release(self) -> None:
+        """Unlock the staging buffers (after the stager and KVCR have stopped)."""
+        for buf in self.buffers.values():
+            self._memory.release(buf)
 
     def _run(self) -> None:
-        stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._device.bind_thread()
+        stream = self._device.new_stream()
         while True:
             job = self._jobs.get()
             if job is None:
                 return
             try:
-                for event in job.events:
-                    event.synchronize()
                 if job.copies:
                     self._copy(job, stream)
             except BaseException as exc:
                 logger.exception("KVCR offload staging copy failed")
+                try:
+                    drain(stream)  # nothing may still write the slots it frees
+                except BaseException:
+                    logger.exception("KVCR stager stream could not be drained")
                 job.fail(exc)
                 continue
             try:
@@ -136,21 +162,52 @@ class HostStaging:
             except Exception:
                 logger.exception("KVCR offload could not be submitted")
 
+    SCRATCH_BYTES = 32 << 20
+
     def _copy(self, job: StageJob, stream: Any) -> None:
-        for name, device_pages, slot_list in job.copies:
-            if not device_pages:
-                continue
-            pages = torch.tensor(device_pages, dtype=torch.long)
-            slots = torch.tensor(slot_list, dtype=torch.long)
-            staged = self.buffers[name]
-            for part, rows in enumerate(self._sources[name]):
-                if stream is not None and rows.is_cuda:
-                    with torch.cuda.stream(stream):
-                        picked = rows.index_select(0, pages.to(rows.device))
-                        staged[part].index_copy_(
-                            0, slots, picked.to("cpu", non_blocking=True)
-                        )
-                else:
-                    staged[part].index_copy_(0, slots, rows.index_select(0, pages))
-        if stream is not None:
-            stream.synchronize()
+        """Device pages -> staging slots; returns once every byte has landed."""
+        with self._device.on(stream):
+            wait_fences(stream, job.events)
+            for name, device_pages, slot_list in job.copies:
+                if not slot_list:
+                    continue
+                staged = self.buffers[name]
+                for part, rows in enumerate(self._sources[name]):
+                    self._copy_part(rows, device_pages, staged[part], slot_list)
+        drain(stream)
+
+    def _copy_part(
+        self,
+        rows: torch.Tensor,
+        pages: torch.Tensor,
+        staged: torch.Tensor,
+        slots: Sequence[int],
+    ) -> None:
+        """Gather ``rows[pages]`` on the device in scratch-sized chunks and copy
+        each run of consecutive slots with one asynchronous copy."""
+        row_bytes = rows.shape[1]
+        per_chunk = max(1, self.SCRATCH_BYTES // row_bytes)
+        if self._scratch is None or self._scratch.numel() < per_chunk * row_bytes:
+            self._scratch = torch.empty(
+                per_chunk * row_bytes, dtype=torch.uint8, device=rows.device
+            )
+        for a in range(0, len(slots), per_chunk):
+            b = min(len(slots), a + per_chunk)
+            picked = self._scratch[: (b - a) * row_bytes].view(b - a, row_bytes)
+            torch.index_select(rows, 0, pages[a:b], out=picked)
+            for lo, hi in _runs(slots, a, b):
+                start = slots[lo]
+                staged[start : start + hi - lo].copy_(
+                    picked[lo - a : hi - a], non_blocking=True
+                )
+
+
+def _runs(slots: Sequence[int], a: int, b: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` index ranges of ``slots[a:b]`` whose slots are consecutive."""
+    out: list[tuple[int, int]] = []
+    lo = a
+    for i in range(a + 1, b + 1):
+        if i == b or slots[i] != slots[i - 1] + 1:
+            out.append((lo, i))
+            lo = i
+    return out

@@ -6,15 +6,14 @@ Python overhead per row, so a batch is planned once: pages are grouped into runs
 whose source slots advance by one stride in every part (KVCR hands out an object's
 part slots together, so filled DRAM gives long runs), and each run of each part is
 one strided ``index_copy_`` on 16- or 8-byte elements, which torch spreads over its
-intra-op threads whatever the destination order. On CUDA a layer's rows are
-gathered into a reusable pinned buffer and moved with one host-to-device copy and a
-device-side scatter on a private stream.
+intra-op threads whatever the destination order. On CUDA (``SpanRestore``) each run
+moves from page-locked KVCR DRAM as one contiguous host-to-device copy and is
+scattered on the device.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -79,8 +78,12 @@ class CpuRestorePlan:
 
     MAX_SEGMENTS = 8
 
-    def __init__(self, dest_pages: Sequence[int], src_slots: Sequence[tuple[int, ...]]):
-        self.dest = torch.tensor(list(dest_pages), dtype=torch.long)
+    def __init__(
+        self,
+        dest_pages: torch.Tensor | Sequence[int],
+        src_slots: Sequence[tuple[int, ...]],
+    ):
+        self.dest = torch.as_tensor(dest_pages, dtype=torch.long)
         segments = plan_segments(src_slots)
         self.fragmented = len(segments) > self.MAX_SEGMENTS
         self.segments = segments
@@ -110,62 +113,104 @@ class CpuRestorePlan:
             dst.index_copy_(0, self.dest[seg.start : seg.stop], view)
 
 
-class RowGather:
-    """Gathers a layer's source rows into a staging buffer, then one host-to-device
-    copy and a device-side scatter; the buffer is reused across layers.
+class SpanRestore:
+    """The GPU restore copy: KVCR DRAM is page-locked, so each run of claimed slots
+    moves to the device as one contiguous span (one asynchronous host-to-device
+    copy per scratch-sized chunk, at DMA speed, with no host-side gather) and is
+    scattered into the destination page rows by device kernels, one per part.
 
-    On CUDA (``cuda=True``) the buffer is pinned and the copies run on a private
-    stream; with ``cuda=False`` the same steps run on the CPU (used by tests, so
-    the GPU path's indexing is exercised without a GPU).
+    Rows of a run are ``first[part] + page * stride``; KVCR gives an object's parts
+    adjacent slots, so a run's span is dense (``stride`` = parts). A run whose span
+    would be more than twice its bytes goes page by page, and a page whose parts
+    lie far apart copies row by row, still asynchronously from locked memory. Everything is queued on
+    the caller's stream and reuses one scratch buffer in stream order; the caller
+    drains the stream before the claims or the destination slots are given back.
+    With a CPU device the same steps run synchronously (tests exercise them).
     """
 
-    def __init__(self, cuda: bool = True) -> None:
-        self._stream = torch.cuda.Stream() if cuda else None
-        self._pinned = torch.empty(0, dtype=torch.uint8, pin_memory=cuda)
+    SCRATCH_BYTES = 32 << 20
 
-    def copy_layer(
-        self,
-        targets: Sequence[tuple[torch.Tensor, list[int], torch.Tensor, list[int]]],
-    ) -> None:
-        """``targets``: (device rows, dest rows, pinned store rows, source slots);
-        device and store rows share one element type (16/8-byte where possible, so
-        the host-side gather moves words, not bytes)."""
-        need = sum(
-            _aligned(len(src_rows) * store.shape[1] * store.element_size())
-            for _, _, store, src_rows in targets
-        )
-        if self._pinned.numel() < need:
-            self._pinned = torch.empty(
-                need, dtype=torch.uint8, pin_memory=self._stream is not None
+    def __init__(self, device: torch.device, scratch_bytes: int = SCRATCH_BYTES):
+        self.device = device
+        self.scratch_bytes = scratch_bytes
+        self._scratch: torch.Tensor | None = None
+        self.row_copies = 0  # rows that went one by one (fragmented runs)
+        self.span_copies = 0  # host-to-device span copies
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(
+                max(nbytes, self.scratch_bytes), dtype=torch.uint8, device=self.device
             )
-        offset = 0
-        stream = (
-            torch.cuda.stream(self._stream)
-            if self._stream is not None
-            else contextlib.nullcontext()
-        )
-        with stream:
-            for target, dest_rows, store, src_rows in targets:
-                n, row = len(src_rows), store.shape[1]
-                nbytes = n * row * store.element_size()
-                staged = (
-                    self._pinned[offset : offset + nbytes]
-                    .view(store.dtype)
-                    .view(n, row)
-                )
-                torch.index_select(
-                    store, 0, torch.tensor(src_rows, dtype=torch.long), out=staged
-                )
-                dst_index = torch.tensor(dest_rows, dtype=torch.long).to(
-                    target.device, non_blocking=True
-                )
-                target.index_copy_(
-                    0, dst_index, staged.to(target.device, non_blocking=True)
-                )
-                offset += _aligned(nbytes)  # the next view may be 16-byte typed
-        if self._stream is not None:
-            self._stream.synchronize()  # the pinned buffer is reused next layer
+        return self._scratch
+
+    def copy_pool(
+        self,
+        dest_parts: Sequence[torch.Tensor],
+        dest: torch.Tensor,
+        store: torch.Tensor,
+        src_slots: Sequence[tuple[int, ...]],
+        host_dest: Callable[[], list[int]],
+    ) -> None:
+        """``dest_parts[p][dest[i]] = store[src_slots[i][p]]`` for every page ``i``
+        and part ``p``. ``dest_parts`` and ``store`` are 2-D row tensors of one
+        element type; ``dest`` is a device index tensor; ``host_dest`` gives its
+        values on the host (needed only by fragmented runs)."""
+        nparts = len(dest_parts)
+        row_bytes = store.shape[1] * store.element_size()
+        cap_rows = max(1, self.scratch_bytes // row_bytes)
+        host: list[int] | None = None
+        for seg in _dense_segments(plan_segments(src_slots), nparts):
+            n = seg.stop - seg.start
+            low, high = min(seg.first), max(seg.first)
+            if high - low + 1 > 2 * nparts:  # one page's parts far apart
+                if host is None:
+                    host = host_dest()
+                self._copy_rows(dest_parts, host, store, src_slots, seg)
+                continue
+            page_span = high - low + 1
+            per_chunk = max(1, (max(cap_rows, page_span) - page_span) // seg.stride + 1)
+            for a in range(0, n, per_chunk):
+                b = min(n, a + per_chunk)
+                lo = low + a * seg.stride
+                rows = high - low + 1 + (b - a - 1) * seg.stride
+                scratch = self._buffer(rows * row_bytes)
+                staged = scratch[: rows * row_bytes].view(store.dtype).view(rows, -1)
+                staged.copy_(store[lo : lo + rows], non_blocking=True)
+                self.span_copies += 1
+                index = dest[seg.start + a : seg.start + b]
+                for part, target in enumerate(dest_parts):
+                    view = staged.as_strided(
+                        (b - a, staged.shape[1]),
+                        (seg.stride * staged.stride(0), 1),
+                        staged.storage_offset()
+                        + (seg.first[part] - low) * staged.stride(0),
+                    )
+                    target.index_copy_(0, index, view)
+
+    def _copy_rows(
+        self,
+        dest_parts: Sequence[torch.Tensor],
+        host: list[int],
+        store: torch.Tensor,
+        src_slots: Sequence[tuple[int, ...]],
+        seg: Segment,
+    ) -> None:
+        for i in range(seg.start, seg.stop):
+            for part, target in enumerate(dest_parts):
+                target[host[i]].copy_(store[src_slots[i][part]], non_blocking=True)
+                self.row_copies += 1
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // 16) * 16
+def _dense_segments(segments: list[Segment], nparts: int) -> Iterator[Segment]:
+    """Runs whose span is at most twice their bytes; a sparser run (pages far
+    apart in DRAM) goes page by page, each page its own span."""
+    for seg in segments:
+        n = seg.stop - seg.start
+        span = max(seg.first) - min(seg.first) + 1 + (n - 1) * seg.stride
+        if n == 1 or span <= 2 * n * nparts:
+            yield seg
+            continue
+        for i in range(n):
+            first = tuple(f + i * seg.stride for f in seg.first)
+            yield Segment(seg.start + i, seg.start + i + 1, first, 1)

@@ -1,0 +1,91 @@
+"""The device a linker's side threads work on, their streams, and the fences they wait on.
+
+A side thread (the restore loader, the offload stager) starts on device 0 whatever
+rank it serves, so each captures its pool's device at construction, calls
+``torch.cuda.set_device`` before it touches CUDA and creates its stream on that
+device. Work a side stream does on pages the forward may still touch is ordered by
+events: an offload waits on ``record_offload_ready()``'s events, a restore waits on
+the events :meth:`DeviceBinding.record_fences` takes at ``start_layer_wise_loading``
+(the scheduler's current stream, which computed the destination indices, and the
+forward stream, whose launched batch may still write pages the allocator already
+handed out again). On CPU every method is a no-op, so the same code runs in tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeviceBinding:
+    """The device of one linker's KV pools (``cpu`` or ``cuda:N``)."""
+
+    device: torch.device
+
+    @classmethod
+    def of(cls, device: Any) -> DeviceBinding:
+        """Binding for ``device``; a bare ``cuda`` resolves to the calling thread's
+        current device (SGLang builds a rank's pools after ``set_device``)."""
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return cls(dev)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def bind_thread(self) -> None:
+        """Make this thread's current CUDA device the pools' device."""
+        if self.is_cuda:
+            torch.cuda.set_device(self.device)
+
+    def new_stream(self) -> Any:
+        """A side stream on the pools' device (None on CPU)."""
+        return torch.cuda.Stream(device=self.device) if self.is_cuda else None
+
+    @contextlib.contextmanager
+    def on(self, stream: Any) -> Iterator[None]:
+        """Launch on ``stream`` (nothing to do on CPU)."""
+        if stream is None:
+            yield
+            return
+        with torch.cuda.stream(stream):
+            yield
+
+    def record_fences(self, forward_stream: Any) -> tuple[Any, ...]:
+        """Events on the current stream and on ``forward_stream`` (no host sync)."""
+        if not self.is_cuda:
+            return ()
+        fences = []
+        for stream in (torch.cuda.current_stream(self.device), forward_stream):
+            if stream is None:
+                continue
+            event = torch.cuda.Event()
+            event.record(stream)
+            fences.append(event)
+        return tuple(fences)
+
+
+def wait_fences(stream: Any, fences: Sequence[Any]) -> None:
+    """Order ``stream`` after ``fences`` on the device (the host does not block)."""
+    if stream is None:
+        return
+    for event in fences:
+        stream.wait_event(event)
+
+
+def drain(stream: Any) -> None:
+    """Block until everything queued on ``stream`` is done (CPU: nothing queued)."""
+    if stream is not None:
+        stream.synchronize()
+
+
+def fences_done(fences: Sequence[Any]) -> bool:
+    """Whether every event has completed, without blocking."""
+    return all(event.query() for event in fences)

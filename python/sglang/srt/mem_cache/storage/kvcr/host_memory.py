@@ -1,0 +1,89 @@
+"""Host buffers for KVCR DRAM and offload staging, page-locked at exactly their size.
+
+``torch.zeros(n, pin_memory=True)`` goes through torch's caching host allocator,
+which rounds every request up to a power of two: a 20 GiB KVCR share would lock
+32 GiB of host memory. On GPU hosts this module allocates a plain (pageable) tensor
+aligned to the OS page and page-locks exactly its bytes with ``cudaHostRegister``
+(portable, so every device's context can DMA from it), and unregisters it when the
+owner releases it. The bytes locked so far are counted for the stats line. On CPU
+hosts nothing is locked. The register/unregister calls are injectable so a CPU test
+can count what a GPU host would lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_ALIGN = 4096
+_PORTABLE = 1  # cudaHostRegisterPortable
+
+
+class HostMemoryError(RuntimeError):
+    """Host memory could not be page-locked (the message names the size)."""
+
+
+def _cuda_register(ptr: int, nbytes: int) -> None:
+    res = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _PORTABLE))
+    if res != 0:
+        raise HostMemoryError(
+            f"cudaHostRegister of {nbytes} bytes failed (cudaError {res}); lower "
+            "local_dram_bytes_per_worker or max_inflight_offload_bytes in "
+            "--unified-cache-external-linker-config, or raise the host's locked-"
+            "memory limit (ulimit -l)"
+        )
+
+
+def _cuda_unregister(ptr: int) -> None:
+    res = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if res != 0:
+        logger.warning("cudaHostUnregister failed (cudaError %d)", res)
+
+
+class HostMemory:
+    """Allocates zeroed ``uint8`` host tensors; locks them when ``pin`` is set."""
+
+    def __init__(
+        self,
+        pin: bool,
+        *,
+        register: Callable[[int, int], None] = _cuda_register,
+        unregister: Callable[[int], None] = _cuda_unregister,
+    ) -> None:
+        self.pin = pin
+        self._register = register
+        self._unregister = unregister
+        self._locked: dict[int, int] = {}  # data_ptr -> bytes locked
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(self._locked.values())
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """A zeroed host tensor of exactly ``nbytes`` (locked when pinning)."""
+        if not self.pin or nbytes == 0:
+            return torch.zeros(nbytes, dtype=torch.uint8)
+        raw = torch.empty(nbytes + _ALIGN, dtype=torch.uint8)
+        skip = -raw.data_ptr() % _ALIGN
+        buf = raw[skip : skip + nbytes]  # the view keeps ``raw`` alive
+        buf.zero_()
+        self._register(buf.data_ptr(), nbytes)
+        self._locked[buf.data_ptr()] = nbytes
+        return buf
+
+    def alloc_like(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zeroed ``uint8`` tensor of ``shape`` from :meth:`alloc`."""
+        n = 1
+        for dim in shape:
+            n *= dim
+        return self.alloc(n).view(shape)
+
+    def release(self, buf: torch.Tensor) -> None:
+        """Unlock ``buf`` (the caller drops its last reference afterwards)."""
+        nbytes = self._locked.pop(buf.data_ptr(), None)
+        if nbytes is not None:
+            self._unregister(buf.data_ptr())
