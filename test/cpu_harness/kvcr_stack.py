@@ -180,6 +180,7 @@ def bare_linker(
     model: str = "tiny-test",
     draft: str | None = None,
     allocator: Any = None,
+    forward_stream: Any = None,
     **params: Any,
 ) -> Any:
     """A ``KVCRDirectLinker`` over ``pool`` alone (no cache, no SGLang loader):
@@ -203,5 +204,5 @@ def bare_linker(
         cache_params,
         components=set(components),
         extra_config=dict(config),
-        forward_stream=None,
+        forward_stream=forward_stream,
     )

@@ -51,12 +51,12 @@ class HostMemory:
         self,
         pin: bool,
         *,
-        register: Callable[[int, int], None] = _cuda_register,
-        unregister: Callable[[int], None] = _cuda_unregister,
+        register: Callable[[int, int], None] | None = None,
+        unregister: Callable[[int], None] | None = None,
     ) -> None:
         self.pin = pin
-        self._register = register
-        self._unregister = unregister
+        self._register = register or _cuda_register
+        self._unregister = unregister or _cuda_unregister
         self._locked: dict[int, int] = {}  # data_ptr -> bytes locked
 
     @property

@@ -1,0 +1,198 @@
+"""gpu_check.sh (the air-gapped GPU run): syntax, arguments, stage plan, report dir,
+and the stage runner's PASS/FAIL/timeout bookkeeping, in seconds.
+
+The stages' real work is not run here: ``--python`` points at a fake interpreter (a
+shell script that exits with ``$FAKE_RC`` after ``$FAKE_SLEEP`` seconds), so what is
+tested is the script's own logic. ``gpu_check.sh --dry-run`` runs the real stages.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[4]
+SCRIPT = REPO / "test" / "manual" / "kvcr_direct_linker" / "gpu_check.sh"
+STAGES = ["env", "gpu-tests", "microbench", "bench"]
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("bash") is None or shutil.which("timeout") is None,
+    reason="needs bash and coreutils timeout",
+)
+
+
+def run(*args: str, env: dict[str, str] | None = None, timeout: float = 60):
+    full = {k: v for k, v in os.environ.items() if k != "OUT"}
+    full.update(env or {})
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        env=full,
+        timeout=timeout,
+        cwd=REPO,
+        check=False,
+    )
+
+
+@pytest.fixture
+def fake_python(tmp_path: Path) -> Path:
+    fake = tmp_path / "fake-python"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'echo "fake-python $* --device --quick"\n'
+        'sleep "${FAKE_SLEEP:-0}"\n'
+        'exit "${FAKE_RC:-0}"\n'
+    )
+    fake.chmod(0o755)
+    return fake
+
+
+def plan(out: str) -> dict[str, str]:
+    lines = [ln for ln in out.splitlines() if ": " in ln and not ln.startswith("stage")]
+    return dict(ln.split(": ", 1) for ln in lines)
+
+
+def stage_lines(out: str) -> list[str]:
+    return [ln for ln in out.splitlines() if ln.startswith("stage ")]
+
+
+def test_bash_syntax() -> None:
+    proc = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_help_names_every_stage_and_option() -> None:
+    proc = run("--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "Usage:" in proc.stdout
+    for word in (*STAGES, "--wheelhouse", "--dry-run", "--stages", "--list-stages"):
+        assert word in proc.stdout, word
+    assert "set -euo pipefail" not in proc.stdout
+
+
+def test_plan_dry_run_defaults() -> None:
+    proc = run("--dry-run", "--list-stages")
+    assert proc.returncode == 0, proc.stderr
+    info = plan(proc.stdout)
+    assert info["mode"] == "dry-run"
+    assert info["python"] == str(REPO / ".venv" / "bin" / "python")
+    assert info["report dir"] == str(REPO / ".cache" / "gpu_check")
+    assert [ln.split()[1] for ln in stage_lines(proc.stdout)] == STAGES
+
+
+def test_report_dir_follows_out_then_flag(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = run("--dry-run", "--list-stages", env={"OUT": str(out)})
+    assert plan(proc.stdout)["report dir"] == str(out / "gpu_check")
+    mine = tmp_path / "mine"
+    proc = run("--dry-run", "--list-stages", "--report-dir", str(mine), env={"OUT": str(out)})
+    assert plan(proc.stdout)["report dir"] == str(mine)
+
+
+def test_gpu_plan_fits_the_budget(tmp_path: Path) -> None:
+    proc = run("--list-stages", "--wheelhouse", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    info = plan(proc.stdout)
+    assert info["mode"] == "gpu" and info["python"] == "python3"
+    assert "step install timeout" in proc.stdout
+    total = sum(int(ln.split()[-1].rstrip("s")) for ln in stage_lines(proc.stdout) if "timeout" in ln)
+    assert total <= 480, proc.stdout
+    assert f"total stage timeout {total}s" in proc.stdout
+
+
+def test_stage_subset_keeps_order_and_timeout_override() -> None:
+    proc = run(
+        "--dry-run", "--list-stages", "--stages", "bench,env",
+        env={"GPU_CHECK_TIMEOUT_BENCH": "7"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert stage_lines(proc.stdout) == ["stage env timeout 120s", "stage bench timeout 7s"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--bogus"],
+        ["--dry-run", "--stages", "env,nope"],
+        ["--dry-run", "--stages", ""],
+        ["--dry-run", "--wheelhouse", "/tmp"],
+        [],  # the GPU run needs a wheelhouse
+        ["--wheelhouse", "/nonexistent/wheelhouse"],
+        ["--wheelhouse"],
+        ["--dry-run", "--stages", ","],
+        ["--dry-run", "--stages="],
+    ],
+)
+def test_bad_usage_exits_2(args: list[str], tmp_path: Path) -> None:
+    # Should a usage error slip through, the run it starts stays short and local.
+    short = {f"GPU_CHECK_TIMEOUT_{s}": "3" for s in ("INSTALL", "ENV", "GPU_TESTS", "MICROBENCH", "BENCH")}
+    proc = run(*args, env={"OUT": str(tmp_path), "GPU_CHECK_SITE": str(tmp_path / "site"), **short})
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "gpu_check:" in proc.stderr
+
+
+def test_empty_wheelhouse_is_refused(tmp_path: Path) -> None:
+    proc = run("--wheelhouse", str(tmp_path), "--report-dir", str(tmp_path / "r"))
+    assert proc.returncode == 2 and "no *.whl" in proc.stderr
+
+
+def test_every_stage_runs_and_reports(tmp_path: Path, fake_python: Path) -> None:
+    reports = tmp_path / "reports"
+    proc = run("--dry-run", "--python", str(fake_python), "--report-dir", str(reports))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = (reports / "summary.txt").read_text()
+    for stage in STAGES:
+        assert f"STAGE {stage} PASS" in proc.stdout
+        assert f"STAGE {stage} PASS" in summary
+        assert (reports / f"{stage}.log").is_file()
+    assert "GPU_CHECK PASS" in summary
+
+
+def test_failures_continue_and_exit_nonzero(tmp_path: Path, fake_python: Path) -> None:
+    reports = tmp_path / "reports"
+    proc = run(
+        "--dry-run", "--python", str(fake_python), "--report-dir", str(reports),
+        env={"FAKE_RC": "5"},
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    # pytest's exit 5 (no gpu tests without CUDA) is expected in the dry run only.
+    assert "STAGE env FAIL rc=1" in proc.stdout
+    assert "STAGE gpu-tests PASS" in proc.stdout
+    assert "STAGE microbench FAIL rc=1" in proc.stdout
+    assert "STAGE bench FAIL rc=5" in proc.stdout
+    assert "GPU_CHECK FAIL: env microbench bench" in proc.stdout
+
+
+def test_gpu_mode_install_and_no_gpu_tests_fail(tmp_path: Path, fake_python: Path) -> None:
+    wheelhouse = tmp_path / "wh"
+    wheelhouse.mkdir()
+    (wheelhouse / "x-1.0-py3-none-any.whl").write_bytes(b"")
+    (wheelhouse / "torch-2.11.0-cp312-cp312-linux_x86_64.whl").write_bytes(b"")
+    proc = run(
+        "--wheelhouse", str(wheelhouse), "--python", str(fake_python),
+        "--report-dir", str(tmp_path / "r"), "--stages", "env,gpu-tests",
+        env={"FAKE_RC": "5", "GPU_CHECK_SITE": str(tmp_path / "site")},
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "refusing torch-2.11.0" in proc.stdout
+    assert "STAGE install FAIL rc=5" in proc.stdout
+    assert "STAGE gpu-tests FAIL rc=1" in proc.stdout  # exit 5 on the GPU: nothing ran
+    env_log = (tmp_path / "r" / "env.log").read_text()
+    assert "CARRY OK work tree" in env_log
+
+
+def test_stage_timeout_is_enforced(tmp_path: Path, fake_python: Path) -> None:
+    proc = run(
+        "--dry-run", "--python", str(fake_python), "--report-dir", str(tmp_path),
+        "--stages", "env",
+        env={"FAKE_SLEEP": "30", "GPU_CHECK_TIMEOUT_ENV": "1"},
+        timeout=25,
+    )
+    assert proc.returncode == 1
+    assert "STAGE env FAIL rc=124" in proc.stdout and "timed out after 1s" in proc.stdout
+

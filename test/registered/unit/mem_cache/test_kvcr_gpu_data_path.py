@@ -1,0 +1,652 @@
+"""The GPU data path: never wrong bytes, never a host sync on the scheduler thread.
+
+Covers the side threads' device binding, the stream fences a restore and a staged
+offload wait on, draining before slots are handed back, exact page-locked sizes,
+and byte-exact round trips (staged and direct offload, restore) with fresh random
+bytes every repetition. Cases parametrized over ``device`` run on CPU in
+``make test``; their ``cuda`` variants and the CUDA-only cases carry the ``gpu``
+marker and run under ``gpu_check.sh`` (deselected where torch sees no device).
+CPU-only cases stand in for CUDA with recording fakes where a fault or an
+ordering cannot be produced without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+import time
+
+import pytest
+import torch
+from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+from cpu_harness import kvcr_stack
+from sglang.srt.mem_cache.storage.kvcr import host_memory
+from sglang.srt.mem_cache.storage.kvcr import kvcr_direct_linker as linker_mod
+from sglang.srt.mem_cache.storage.kvcr.device_streams import DeviceBinding
+from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
+from sglang.srt.mem_cache.storage.kvcr.offload_staging import StageJob
+from sglang.srt.mem_cache.storage.kvcr.restore_copy import SpanRestore
+
+pytestmark = pytest.mark.kvcr
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+PAGE = 4
+LAYERS = 2
+HEADS = 2
+DIM = 8
+POOL_PAGES = 64
+PAGE_BYTES = LAYERS * 2 * PAGE * HEADS * DIM * 2  # every part of one page, bf16
+REPS = 3
+
+
+# ---- helpers -----------------------------------------------------------------
+
+
+def make_pool(device):
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    return MHATokenToKVPool(
+        POOL_PAGES * PAGE,
+        PAGE,
+        torch.bfloat16,
+        HEADS,
+        DIM,
+        LAYERS,
+        device=device,
+        enable_memory_saver=False,
+    )
+
+
+def make_linker(pool, forward_stream=None, **overrides):
+    config = {
+        "local_dram_bytes_per_worker": 48 * PAGE_BYTES,
+        "operation_timeout_ms": 5000,
+        "abandon_timeout_ms": 10000,
+        "preparation_timeout_ms": 2000,
+        **overrides,
+    }
+    return kvcr_stack.bare_linker(pool, PAGE, config, forward_stream=forward_stream)
+
+
+def hashes_for(n, salt):
+    return [hashlib.sha256(f"{salt}/{i}".encode()).hexdigest() for i in range(n)]
+
+
+def kv_transfer(hashes, pages=None, device="cpu", cls=None):
+    indices = None
+    if pages is not None:
+        indices = torch.tensor(
+            [p * PAGE + t for p in pages for t in range(PAGE)],
+            dtype=torch.int64,
+            device=device,
+        )
+        if cls is not None:
+            indices = indices.as_subclass(cls)
+    return [
+        PoolTransfer(
+            name=PoolName.KV,
+            keys=list(hashes),
+            device_indices=indices,
+            hit_policy=PoolHitPolicy.ALL_PAGES,
+        )
+    ]
+
+
+def buffers(pool):
+    return [
+        b
+        for layer in range(LAYERS)
+        for b in (pool.k_buffer[layer], pool.v_buffer[layer])
+    ]
+
+
+def fill_random(pool, pages, seed):
+    """Fresh random bytes (every bit pattern, NaNs included) in ``pages``."""
+    gen = torch.Generator(device=pool.device).manual_seed(seed)
+    for buf in buffers(pool):
+        raw = buf.view(torch.uint8)
+        for p in pages:
+            rows = raw[p * PAGE : (p + 1) * PAGE]
+            rows.copy_(
+                torch.randint(
+                    0,
+                    256,
+                    rows.shape,
+                    dtype=torch.uint8,
+                    generator=gen,
+                    device=pool.device,
+                )
+            )
+
+
+def page_bytes(pool, page):
+    return torch.cat(
+        [
+            b[page * PAGE : (page + 1) * PAGE].reshape(-1).view(torch.uint8)
+            for b in buffers(pool)
+        ]
+    ).cpu()
+
+
+def wait_until(predicate, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.002)
+    raise AssertionError(f"{what} not reached within {timeout} s")
+
+
+def offload_and_commit(lk, hashes, pages, device):
+    assert lk.offload(kv_transfer(hashes, pages, device)) is True
+    wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload completion")
+    return lk.pop_completed_offload()
+
+
+def prepare(lk, rid, hashes):
+    handle = lk.prepare_request(LinkerRequestContext(rid), kv_transfer(hashes))
+    wait_until(lambda: lk.preparation_ready(handle), what="preparation")
+    assert lk.lookup(rid, kv_transfer(hashes)) == list(range(1, len(hashes) + 1))
+
+
+def restore(lk, rid, hashes, pages, device):
+    assert lk.load(rid, kv_transfer(hashes, pages, device)) is True
+    index = lk.start_layer_wise_loading()
+    assert index >= 0
+    return lk.finish_layer_wise_loading(index)
+
+
+def wrong_bytes(pool, pages, originals):
+    return sum(
+        int((page_bytes(pool, p) != want).sum())
+        for p, want in zip(pages, originals, strict=True)
+    )
+
+
+# ---- round trips (CPU here, CUDA under gpu_check.sh) ---------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path", ["staged", "direct"])
+def test_offload_evict_restore_is_byte_exact_every_repetition(device, path):
+    """Device pages -> (staging ->) KVCR DRAM -> other, scattered device pages, with
+    fresh random bytes every repetition and the source pages overwritten between
+    offload and restore; pages outside the restore are untouched."""
+    pool = make_pool(device)
+    lk = make_linker(pool, offload_path=path)
+    try:
+        assert (lk._staging is not None) == (path == "staged")
+        src, dest = [3, 4, 5, 9], [40, 21, 33, 22]
+        for rep in range(REPS):
+            fill_random(pool, src + [50], seed=100 + rep)
+            originals = [page_bytes(pool, p) for p in src]
+            untouched = page_bytes(pool, 50)
+            hashes = hashes_for(len(src), f"{device}-{path}-{rep}")
+            assert offload_and_commit(lk, hashes, src, device) is True
+            fill_random(pool, src + dest, seed=200 + rep)  # evicted: bytes gone
+            prepare(lk, f"r{rep}", hashes)
+            assert restore(lk, f"r{rep}", hashes, dest, device) is True
+            assert wrong_bytes(pool, dest, originals) == 0
+            assert torch.equal(page_bytes(pool, 50), untouched)
+        assert lk.claims_held() == 0
+        assert lk.stats.restored_bytes == REPS * len(src) * PAGE_BYTES
+    finally:
+        lk.close()
+
+
+# ---- CUDA-only orderings -------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_restore_waits_for_the_batch_still_writing_freed_pages():
+    """Overlap scheduling: the launched batch (forward stream) may still write pages
+    the allocator already handed to a restore. The restore must land after it.
+    Everything runs on non-default streams, so only the linker's fences order the
+    loader against the forward."""
+    pool = make_pool("cuda")
+    forward = torch.cuda.Stream()
+    scheduler = torch.cuda.Stream()
+    lk = make_linker(pool, forward_stream=forward, offload_path="staged")
+    try:
+        src, dest = [1, 2, 3, 4, 5, 6], [30, 31, 32, 33, 34, 35]
+        with torch.cuda.stream(scheduler):
+            for rep in range(REPS):
+                fill_random(pool, src, seed=300 + rep)
+                originals = [page_bytes(pool, p) for p in src]
+                hashes = hashes_for(len(src), f"fence-{rep}")
+                assert offload_and_commit(lk, hashes, src, "cuda") is True
+                prepare(lk, f"f{rep}", hashes)
+                torch.cuda.synchronize()
+                with torch.cuda.stream(forward):  # the batch already launched
+                    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time
+                    fill_random(pool, dest, seed=400 + rep)
+                assert restore(lk, f"f{rep}", hashes, dest, "cuda") is True
+                torch.cuda.synchronize()
+                assert wrong_bytes(pool, dest, originals) == 0
+    finally:
+        lk.close()
+
+
+@pytest.mark.gpu
+def test_staged_offload_waits_for_the_forward_that_writes_its_pages():
+    """The stager copies only after the forward stream wrote the pages."""
+    pool = make_pool("cuda")
+    forward = torch.cuda.Stream()
+    scheduler = torch.cuda.Stream()
+    lk = make_linker(pool, forward_stream=forward, offload_path="staged")
+    try:
+        src, dest = [7, 8, 9], [41, 42, 43]
+        with torch.cuda.stream(scheduler):
+            for rep in range(REPS):
+                fill_random(pool, src, seed=500 + rep)
+                torch.cuda.synchronize()
+                with torch.cuda.stream(forward):  # the KV is still being written
+                    torch.cuda._sleep(200_000_000)
+                    fill_random(pool, src, seed=600 + rep)
+                forward.synchronize()
+                written = [page_bytes(pool, p) for p in src]
+                fill_random(pool, src, seed=500 + rep)  # back to the old bytes
+                torch.cuda.synchronize()
+                with torch.cuda.stream(forward):
+                    torch.cuda._sleep(200_000_000)
+                    fill_random(pool, src, seed=600 + rep)
+                hashes = hashes_for(len(src), f"offload-fence-{rep}")
+                assert offload_and_commit(lk, hashes, src, "cuda") is True
+                prepare(lk, f"o{rep}", hashes)
+                assert restore(lk, f"o{rep}", hashes, dest, "cuda") is True
+                torch.cuda.synchronize()
+                assert wrong_bytes(pool, dest, written) == 0
+    finally:
+        lk.close()
+
+
+@pytest.mark.gpu
+def test_failed_restore_drains_its_stream_before_slots_are_given_back(monkeypatch):
+    """A copy that raises with work still queued: the counter fails only after the
+    loader's stream has drained, so freed slots are never written afterwards."""
+    pool = make_pool("cuda")
+    lk = make_linker(pool)
+    try:
+        src, dest = [1, 2], [20, 21]
+        fill_random(pool, src, seed=7)
+        hashes = hashes_for(2, "fail")
+        assert offload_and_commit(lk, hashes, src, "cuda") is True
+        prepare(lk, "x", hashes)
+        queued = {}
+
+        def copy_then_raise(*args, **kwargs):
+            torch.cuda._sleep(200_000_000)  # on the loader's stream
+            queued["event"] = torch.cuda.Event()
+            queued["event"].record()
+            raise RuntimeError("injected copy failure")
+
+        drained_at_fail = []
+        real_fail = lk.layer_done_counter.fail
+
+        def fail(index, exc):
+            drained_at_fail.append(queued["event"].query())
+            real_fail(index, exc)
+
+        monkeypatch.setattr(lk._span_restore, "copy_pool", copy_then_raise)
+        monkeypatch.setattr(lk.layer_done_counter, "fail", fail)
+        assert restore(lk, "x", hashes, dest, "cuda") is False
+        assert drained_at_fail == [True]
+        assert lk.claims_held() == 0
+    finally:
+        lk.close()
+
+
+@pytest.mark.gpu
+def test_pools_on_the_last_device_round_trip_with_side_threads_bound_there():
+    """A rank's pools on device N (N = the last device; 0 on a one-GPU host):
+    the linker binds its threads to N even when the caller moves elsewhere."""
+    last = torch.cuda.device_count() - 1
+    torch.cuda.set_device(last)
+    pool = make_pool("cuda")  # SGLang passes a bare "cuda" after set_device
+    lk = make_linker(pool, offload_path="staged")
+    try:
+        assert lk._device.device == torch.device("cuda", last)
+        torch.cuda.set_device(0)
+        src, dest = [1, 2, 3], [10, 12, 11]
+        fill_random(pool, src, seed=11)
+        originals = [page_bytes(pool, p) for p in src]
+        hashes = hashes_for(3, "last-device")
+        assert offload_and_commit(lk, hashes, src, f"cuda:{last}") is True
+        prepare(lk, "d", hashes)
+        assert restore(lk, "d", hashes, dest, f"cuda:{last}") is True
+        assert wrong_bytes(pool, dest, originals) == 0
+    finally:
+        lk.close()
+        torch.cuda.set_device(0)
+
+
+# ---- CPU stand-ins for what needs a GPU to fail ---------------------------------
+
+
+class _Recorder:
+    """Fake CUDA device/stream/event calls, logged with the calling thread."""
+
+    def __init__(self):
+        self.log = []
+
+    def add(self, *what):
+        self.log.append((threading.current_thread().name, *what))
+
+    def install(self, monkeypatch):
+        rec = self
+
+        class FakeStream:
+            def __init__(self, device=None):
+                rec.add("stream", torch.device(device))
+
+            def wait_event(self, event):
+                rec.add("wait_event", event)
+
+            def synchronize(self):
+                rec.add("drain")
+
+        monkeypatch.setattr(
+            torch.cuda, "set_device", lambda d: rec.add("set_device", d)
+        )
+        monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+
+    def kinds(self, thread):
+        return [entry[1] for entry in self.log if entry[0] == thread]
+
+
+def test_stager_binds_the_pools_device_and_drains_before_depositing(monkeypatch):
+    """The stager thread sets the captured device before creating its stream on
+    it, orders its stream after the offload-ready events, and submits the deposit
+    only after draining the stream (a deposit must never read slots whose copy is
+    still in flight)."""
+    from sglang.srt.mem_cache.storage.kvcr.offload_staging import HostStaging
+
+    rec = _Recorder()
+    rec.install(monkeypatch)
+    pool = make_pool("cpu")
+    lk = make_linker(pool, offload_path="direct")  # a layout and source rows
+    try:
+        layout = lk.layout
+        staging = HostStaging(
+            layout.pools,
+            lk._dest_rows,
+            8,
+            memory=host_memory.HostMemory(pin=False),
+            device=DeviceBinding(torch.device("cuda", 3)),
+        )
+        fill_random(pool, [5, 6], seed=1)
+        want = [page_bytes(pool, p) for p in (5, 6)]
+        done = threading.Event()
+        name = layout.pools[0].name
+        ready = object()
+        staging.stage(
+            StageJob(
+                copies=((name, torch.tensor([5, 6]), (3, 4)),),
+                events=(ready,),
+                submit=lambda: (rec.add("submit"), done.set()),
+                fail=lambda exc: done.set(),
+            )
+        )
+        assert done.wait(10)
+        assert staging.close(5)
+        kinds = rec.kinds("kvcr-stager")
+        assert kinds == ["set_device", "stream", "wait_event", "drain", "submit"]
+        assert rec.log[0][2] == torch.device("cuda", 3)
+        assert rec.log[1][2] == torch.device("cuda", 3)
+        assert rec.log[2][2] is ready
+        staged = staging.buffers[name]
+        got = [
+            torch.cat([staged[part][slot] for part in range(staged.shape[0])])
+            for slot in (3, 4)
+        ]
+        # The pool's page bytes are part-major per page, like the staged rows.
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    finally:
+        lk.close()
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_loader_binds_the_device_waits_its_fences_and_drains_first(monkeypatch, fails):
+    """The restore loader binds the captured device, orders its stream after the
+    fences taken at start_layer_wise_loading, and drains the stream before it
+    completes the layers or, when a copy raises, fails the batch."""
+    pool = make_pool("cpu")
+    lk = make_linker(pool)
+    rec = _Recorder()
+    cpu_binding = lk._device
+    try:
+        src, dest = [1, 2, 3], [11, 12, 13]
+        fill_random(pool, src, seed=3)
+        originals = [page_bytes(pool, p) for p in src]
+        hashes = hashes_for(3, f"loader-{fails}")
+        assert offload_and_commit(lk, hashes, src, "cpu") is True
+        prepare(lk, "l", hashes)
+        assert lk.load("l", kv_transfer(hashes, dest)) is True
+        # The loader thread as on a GPU host: device cuda:2, CUDA calls recorded.
+        lk._loader_jobs.put(None)
+        lk._loader.join(5)
+        rec.install(monkeypatch)
+        lk._device = DeviceBinding(torch.device("cuda", 2))
+        lk._span_restore = span = SpanRestore(torch.device("cpu"))
+        if fails:
+            monkeypatch.setattr(
+                span,
+                "copy_pool",
+                lambda *a, **k: (_ for _ in ()).throw(RuntimeError("x")),
+            )
+        counter = lk.layer_done_counter
+        for method in ("complete", "fail"):
+            real = getattr(counter, method)
+            monkeypatch.setattr(
+                counter,
+                method,
+                lambda *a, _real=real, _m=method: (rec.add(_m), _real(*a))[1],
+            )
+        lk._is_cuda = True
+        lk._loader = threading.Thread(target=lk._loader_main, name="kvcr-loader-t")
+        lk._loader.start()
+        fence = object()
+        monkeypatch.setattr(
+            DeviceBinding, "record_fences", lambda self, forward: (fence,)
+        )
+        index = lk.start_layer_wise_loading()
+        ok = lk.finish_layer_wise_loading(index)
+        kinds = rec.kinds("kvcr-loader-t")
+        assert kinds[:3] == ["set_device", "stream", "wait_event"]
+        assert rec.log[0][2] == torch.device("cuda", 2)
+        assert [e for e in rec.log if e[1] == "wait_event"][0][2] is fence
+        if fails:
+            assert ok is False
+            assert kinds[3:] == ["drain", "fail"]
+        else:
+            assert ok is True
+            assert kinds[3:] == ["drain"] + ["complete"] * LAYERS
+            assert wrong_bytes(pool, dest, originals) == 0
+    finally:
+        lk._is_cuda = False
+        lk._device = cpu_binding
+        lk.close()
+
+
+class _SyncSpy(torch.Tensor):
+    """An index tensor that records calls which would block the host on CUDA."""
+
+    calls: list[str] = []
+    active = False
+    BLOCKING = frozenset(
+        {
+            "tolist",
+            "item",
+            "__int__",
+            "__index__",
+            "__bool__",
+            "__float__",
+            "numpy",
+            "cpu",
+        }
+    )
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if cls.active and name in cls.BLOCKING:
+            cls.calls.append(name)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@contextlib.contextmanager
+def _watching():
+    _SyncSpy.calls = []
+    _SyncSpy.active = True
+    try:
+        yield _SyncSpy.calls
+    finally:
+        _SyncSpy.active = False
+
+
+@pytest.mark.parametrize("path", ["staged", "direct"])
+def test_scheduler_thread_never_reads_device_indices_on_the_host(path):
+    """``load`` and ``offload`` run on the scheduler thread: on CUDA every host read
+    of a device index tensor (``int()``, ``.tolist()``, ``.item()``) waits for the
+    GPU. They must not read any (the pages stay on the device until a side
+    thread or a later pump needs them)."""
+    pool = make_pool("cpu")
+    lk = make_linker(pool, offload_path=path)
+    try:
+        src, dest = [1, 2, 3, 4], [20, 22, 21, 23]
+        fill_random(pool, src, seed=9)
+        originals = [page_bytes(pool, p) for p in src]
+        hashes = hashes_for(4, f"spy-{path}")
+        with _watching() as calls:
+            assert lk.offload(kv_transfer(hashes, src, cls=_SyncSpy)) is True
+        assert calls == []
+        wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload")
+        assert lk.pop_completed_offload() is True
+        prepare(lk, "s", hashes)
+        with _watching() as calls:
+            assert lk.load("s", kv_transfer(hashes, dest, cls=_SyncSpy)) is True
+        assert calls == []
+        index = lk.start_layer_wise_loading()
+        assert lk.finish_layer_wise_loading(index) is True
+        assert wrong_bytes(pool, dest, originals) == 0
+    finally:
+        lk.close()
+
+
+class _Fence:
+    """A CUDA event stand-in: completes when told; blocking on it is an error."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        raise AssertionError("the scheduler thread blocked on an event")
+
+
+class _FencedBinding:
+    def __init__(self, real, fence):
+        self._real, self._fence = real, fence
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def record_fences(self, forward_stream):
+        return (self._fence,)
+
+
+def test_direct_offload_is_deposited_once_its_fences_complete_without_blocking():
+    """A direct-path offload whose pages are not yet written is held back, in
+    order, by later pumps, without the scheduler thread blocking on an event;
+    it is deposited and stored once the fence completes."""
+    pool = make_pool("cpu")
+    lk = make_linker(pool, offload_path="direct")
+    try:
+        fence = _Fence()
+        lk._device = _FencedBinding(lk._device, fence)
+        fill_random(pool, [1, 2], seed=5)
+        originals = [page_bytes(pool, p) for p in (1, 2)]
+        hashes = hashes_for(2, "fenced")
+        assert lk.offload(kv_transfer(hashes, [1, 2])) is True
+        for _ in range(20):
+            assert lk.num_completed_offloads() == 0
+            time.sleep(0.005)
+        assert len(lk._deferred_deposits) == 1
+        assert lk._adapter.stats().inflight_offload_bytes == 0  # nothing submitted
+        fence.done = True
+        wait_until(lambda: lk.num_completed_offloads() == 1, what="fenced offload")
+        assert lk.pop_completed_offload() is True
+        prepare(lk, "d", hashes)
+        assert restore(lk, "d", hashes, [30, 31], "cpu") is True
+        assert wrong_bytes(pool, [30, 31], originals) == 0
+    finally:
+        lk.close()
+
+
+# ---- exact page-locked sizes ----------------------------------------------------
+
+
+def test_host_memory_locks_exactly_the_bytes_asked_for():
+    registered, unregistered = [], []
+    mem = host_memory.HostMemory(
+        pin=True,
+        register=lambda ptr, n: registered.append((ptr, n)),
+        unregister=unregistered.append,
+    )
+    buf = mem.alloc(3 * 4096 + 17)  # far from a power of two
+    assert buf.numel() == 3 * 4096 + 17 and not bool(buf.any())
+    assert registered == [(buf.data_ptr(), 3 * 4096 + 17)]
+    assert buf.data_ptr() % 4096 == 0
+    assert mem.pinned_bytes == 3 * 4096 + 17
+    mem.release(buf)
+    assert unregistered == [buf.data_ptr()] and mem.pinned_bytes == 0
+    assert not host_memory.HostMemory(pin=False).alloc(100).is_pinned()
+
+
+def test_linker_pins_exactly_its_dram_share_and_staging(monkeypatch):
+    """What a GPU host would lock, counted through a stand-in for
+    cudaHostRegister: KVCR DRAM and staging at exactly their sizes (torch's
+    caching host allocator would round each up to a power of two), reported as
+    ``pinned_bytes`` in the stats, and all unlocked at close."""
+    locked: dict[int, int] = {}
+    monkeypatch.setattr(
+        host_memory, "_cuda_register", lambda p, n: locked.update({p: n})
+    )
+    monkeypatch.setattr(host_memory, "_cuda_unregister", lambda p: locked.pop(p))
+    real = linker_mod.HostMemory
+    monkeypatch.setattr(linker_mod, "HostMemory", lambda pin: real(pin=True))
+    pool = make_pool("cpu")
+    share = 37 * PAGE_BYTES + 123  # not a power of two, not whole pages
+    inflight = 5 * PAGE_BYTES
+    lk = make_linker(
+        pool,
+        local_dram_bytes_per_worker=share,
+        offload_path="staged",
+        max_inflight_offload_bytes=inflight,
+    )
+    try:
+        storage = sum(t.numel() for t in lk._storage.values())
+        staging = sum(t.numel() for t in lk._staging.buffers.values())
+        assert storage <= share and storage == 37 * PAGE_BYTES
+        assert staging == 5 * PAGE_BYTES
+        assert sorted(locked.values()) == sorted(
+            [t.numel() for t in lk._storage.values()]
+            + [t.numel() for t in lk._staging.buffers.values()]
+        )
+        assert lk.pinned_bytes() == storage + staging
+        assert f"pinned_bytes={storage + staging} " in lk.stats_line()
+        fill_random(pool, [1], seed=2)
+        want = page_bytes(pool, 1)
+        hashes = hashes_for(1, "pinned")
+        assert offload_and_commit(lk, hashes, [1], "cpu") is True
+        prepare(lk, "p", hashes)
+        assert restore(lk, "p", hashes, [9], "cpu") is True
+        assert torch.equal(page_bytes(pool, 9), want)
+    finally:
+        lk.close()
+    assert locked == {}
