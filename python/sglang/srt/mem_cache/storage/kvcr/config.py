@@ -139,7 +139,7 @@ class KVCRLinkerConfig:
     offload_path: str = dataclasses.field(
         default="auto",
         metadata=_doc(
-            "How offloads reach KVCR: 'staged' copies pages into a pinned host "
+            "How offloads reach KVCR: 'staged' copies pages into a page-locked host "
             "staging area (max_inflight_offload_bytes of it) and deposits from there; "
             "'direct' lets KVCR read the pool itself; 'auto' stages GPU pools only."
         ),
