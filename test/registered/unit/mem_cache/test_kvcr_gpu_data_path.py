@@ -199,34 +199,64 @@ def test_offload_evict_restore_is_byte_exact_every_repetition(device, path):
 # ---- CUDA-only orderings -------------------------------------------------------
 
 
-@pytest.mark.gpu
-def test_restore_waits_for_the_batch_still_writing_freed_pages():
-    """Overlap scheduling: the launched batch (forward stream) may still write pages
-    the allocator already handed to a restore. The restore must land after it.
-    Everything runs on non-default streams, so only the linker's fences order the
-    loader against the forward."""
+def _late_indices(pages):
+    """Slot indices computed on the current stream behind ~0.1 s of GPU work, as
+    SGLang's allocator produces them on the scheduler stream."""
+    base = torch.tensor(
+        [p * PAGE + t for p in pages for t in range(PAGE)], device="cuda"
+    )
+    torch.cuda._sleep(200_000_000)
+    return base * 1  # written only after the sleep
+
+
+def _restore_under_a_busy_forward(fenced: bool, monkeypatch) -> int:
+    """Wrong bytes after restores that race the batch still writing the restore's
+    pages on the forward stream, with indices the scheduler stream computes late.
+    Only non-default streams: nothing orders the loader but the linker's fences."""
     pool = make_pool("cuda")
     forward = torch.cuda.Stream()
     scheduler = torch.cuda.Stream()
     lk = make_linker(pool, forward_stream=forward, offload_path="staged")
+    if not fenced:  # negative control: the race is real
+        monkeypatch.setattr(DeviceBinding, "record_fences", lambda self, fwd: ())
+    wrong = 0
     try:
         src, dest = [1, 2, 3, 4, 5, 6], [30, 31, 32, 33, 34, 35]
         with torch.cuda.stream(scheduler):
             for rep in range(REPS):
                 fill_random(pool, src, seed=300 + rep)
                 originals = [page_bytes(pool, p) for p in src]
-                hashes = hashes_for(len(src), f"fence-{rep}")
+                hashes = hashes_for(len(src), f"fence-{fenced}-{rep}")
                 assert offload_and_commit(lk, hashes, src, "cuda") is True
                 prepare(lk, f"f{rep}", hashes)
                 torch.cuda.synchronize()
                 with torch.cuda.stream(forward):  # the batch already launched
                     torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time
                     fill_random(pool, dest, seed=400 + rep)
-                assert restore(lk, f"f{rep}", hashes, dest, "cuda") is True
+                transfer = kv_transfer(hashes)
+                transfer[0].device_indices = _late_indices(dest)
+                assert lk.load(f"f{rep}", transfer) is True
+                index = lk.start_layer_wise_loading()
+                assert lk.finish_layer_wise_loading(index) is True
                 torch.cuda.synchronize()
-                assert wrong_bytes(pool, dest, originals) == 0
+                wrong += wrong_bytes(pool, dest, originals)
     finally:
         lk.close()
+    return wrong
+
+
+@pytest.mark.gpu
+def test_restore_waits_for_the_batch_still_writing_freed_pages(monkeypatch):
+    """Overlap scheduling: the launched batch (forward stream) may still write pages
+    the allocator already handed to a restore, and the destination indices may
+    still be in flight on the scheduler stream. The restore lands after both."""
+    assert _restore_under_a_busy_forward(True, monkeypatch) == 0
+
+
+@pytest.mark.gpu
+def test_restore_without_fences_is_overwritten_negative_control(monkeypatch):
+    """The same race with the fences removed goes wrong: the test above can fail."""
+    assert _restore_under_a_busy_forward(False, monkeypatch) > 0
 
 
 @pytest.mark.gpu
@@ -344,8 +374,9 @@ class _Recorder:
             def wait_event(self, event):
                 rec.add("wait_event", event)
 
-            def synchronize(self):
+            def query(self):
                 rec.add("drain")
+                return True
 
         monkeypatch.setattr(
             torch.cuda, "set_device", lambda d: rec.add("set_device", d)
@@ -379,6 +410,8 @@ def test_stager_binds_the_pools_device_and_drains_before_depositing(monkeypatch)
         )
         fill_random(pool, [5, 6], seed=1)
         want = [page_bytes(pool, p) for p in (5, 6)]
+        real_copy = staging._copy_part
+        staging._copy_part = lambda *a: (rec.add("copy"), real_copy(*a))
         done = threading.Event()
         name = layout.pools[0].name
         ready = object()
@@ -393,7 +426,15 @@ def test_stager_binds_the_pools_device_and_drains_before_depositing(monkeypatch)
         assert done.wait(10)
         assert staging.close(5)
         kinds = rec.kinds("kvcr-stager")
-        assert kinds == ["set_device", "stream", "wait_event", "drain", "submit"]
+        copies = ["copy"] * len(layout.pools[0].spans)  # one per part
+        assert kinds == [
+            "set_device",
+            "stream",
+            "wait_event",
+            *copies,
+            "drain",
+            "submit",
+        ]
         assert rec.log[0][2] == torch.device("cuda", 3)
         assert rec.log[1][2] == torch.device("cuda", 3)
         assert rec.log[2][2] is ready
@@ -431,12 +472,15 @@ def test_loader_binds_the_device_waits_its_fences_and_drains_first(monkeypatch, 
         rec.install(monkeypatch)
         lk._device = DeviceBinding(torch.device("cuda", 2))
         lk._span_restore = span = SpanRestore(torch.device("cpu"))
-        if fails:
-            monkeypatch.setattr(
-                span,
-                "copy_pool",
-                lambda *a, **k: (_ for _ in ()).throw(RuntimeError("x")),
-            )
+        real_copy = span.copy_pool
+
+        def copy_pool(*args):
+            rec.add("copy")
+            if fails:
+                raise RuntimeError("injected copy failure")
+            real_copy(*args)
+
+        monkeypatch.setattr(span, "copy_pool", copy_pool)
         counter = lk.layer_done_counter
         for method in ("complete", "fail"):
             real = getattr(counter, method)
@@ -460,10 +504,10 @@ def test_loader_binds_the_device_waits_its_fences_and_drains_first(monkeypatch, 
         assert [e for e in rec.log if e[1] == "wait_event"][0][2] is fence
         if fails:
             assert ok is False
-            assert kinds[3:] == ["drain", "fail"]
+            assert kinds[3:] == ["copy", "drain", "fail"]
         else:
             assert ok is True
-            assert kinds[3:] == ["drain"] + ["complete"] * LAYERS
+            assert kinds[3:] == ["copy", "drain"] + ["complete"] * LAYERS
             assert wrong_bytes(pool, dest, originals) == 0
     finally:
         lk._is_cuda = False
@@ -478,14 +522,8 @@ class _SyncSpy(torch.Tensor):
     active = False
     BLOCKING = frozenset(
         {
-            "tolist",
-            "item",
-            "__int__",
-            "__index__",
-            "__bool__",
-            "__float__",
-            "numpy",
-            "cpu",
+            *("tolist", "item", "__int__", "__index__", "__bool__", "__float__"),
+            *("numpy", "cpu", "to", "copy_", "nonzero"),
         }
     )
 
@@ -650,3 +688,43 @@ def test_linker_pins_exactly_its_dram_share_and_staging(monkeypatch):
     finally:
         lk.close()
     assert locked == {}
+
+
+def test_a_load_whose_indices_do_not_cover_its_pages_is_not_queued():
+    """A transfer with fewer slot indices than pages is refused (the wrapper
+    recomputes the request) instead of failing a restore batch later."""
+    pool = make_pool("cpu")
+    lk = make_linker(pool)
+    try:
+        fill_random(pool, [1, 2], seed=4)
+        hashes = hashes_for(2, "short")
+        assert offload_and_commit(lk, hashes, [1, 2], "cpu") is True
+        prepare(lk, "short", hashes)
+        transfer = kv_transfer(hashes, [20, 21])
+        transfer[0].device_indices = transfer[0].device_indices[: PAGE + 1]
+        assert lk.load("short", transfer) is False
+        assert lk.start_layer_wise_loading() == -1
+        assert not lk._restore_failed
+        short = kv_transfer(hashes_for(2, "short-o"), [1])  # 2 pages, 1 page of slots
+        assert lk.offload(short) is True
+        wait_until(lambda: lk.num_completed_offloads() == 1, what="short offload")
+        assert lk.pop_completed_offload() is False  # stored nothing
+    finally:
+        lk.close()
+
+
+def test_a_direct_offload_whose_pages_never_get_written_fails_at_its_deadline():
+    """Fences that never complete (a wedged stream) fail that offload after
+    ``operation_timeout_ms`` instead of holding every later result back."""
+    pool = make_pool("cpu")
+    lk = make_linker(pool, offload_path="direct", operation_timeout_ms=300)
+    try:
+        lk._device = _FencedBinding(lk._device, _Fence())
+        fill_random(pool, [1], seed=6)
+        assert lk.offload(kv_transfer(hashes_for(1, "wedged"), [1])) is True
+        lk._device = lk._device._real  # later offloads have nothing to wait for
+        assert lk.offload(kv_transfer(hashes_for(1, "after"), [1])) is True
+        wait_until(lambda: lk.num_completed_offloads() == 2, what="both results")
+        assert [lk.pop_completed_offload(), lk.pop_completed_offload()] == [False, True]
+    finally:
+        lk.close()

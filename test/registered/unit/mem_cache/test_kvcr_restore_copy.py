@@ -129,13 +129,14 @@ def test_nan_payloads_survive_the_restore_copy(source, dest) -> None:
 @pytest.mark.parametrize("source", ["object_major", "shuffled", "scattered_parts"])
 def test_span_restore_matches_row_copies(row_bytes, source) -> None:
     """The GPU restore's steps (span copies into a reused scratch buffer, device-
-    side scatter per part, row copies for fragmented runs), run on the CPU: every
-    part of every page lands in its row, and only those rows change."""
+    side scatter per part, a host gather for pages whose parts lie far apart), run
+    on the CPU: every part of every page lands in its row, and only those rows
+    change."""
     from sglang.srt.mem_cache.storage.kvcr.restore_copy import SpanRestore
 
     rng = random.Random(f"{row_bytes}{source}")
     parts, pages, store_rows = 4, 24, 200
-    if source == "scattered_parts":  # parts of one object far apart: row copies
+    if source == "scattered_parts":  # parts of one object far apart: host gather
         slots = [tuple(rng.sample(range(store_rows), parts)) for _ in range(pages)]
     else:
         order = list(range(pages))
@@ -148,17 +149,11 @@ def test_span_restore_matches_row_copies(row_bytes, source) -> None:
     expected = [_reference(d, dest, store, slots, p) for p, d in enumerate(dsts)]
     # Scratch of three pages' span: runs are chunked and the buffer reused.
     span = SpanRestore(torch.device("cpu"), scratch_bytes=3 * parts * row_bytes)
-    calls = []
-
-    def host_dest():
-        calls.append(1)
-        return list(dest)
-
-    span.copy_pool(dsts, torch.tensor(dest), store, slots, host_dest)
+    span.copy_pool(dsts, torch.tensor(dest), store, slots)
     for got, want in zip(dsts, expected, strict=True):
         assert torch.equal(got, want)
-    if source == "scattered_parts":
-        assert span.row_copies == pages * parts and calls == [1]
+    if source == "scattered_parts":  # gathered three pages at a time
+        assert span.gathered_pages == pages and span.span_copies == 0
     else:
-        assert span.row_copies == 0 and not calls
+        assert span.gathered_pages == 0
         assert span.span_copies >= pages // 3  # chunked through the small scratch

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -80,10 +81,33 @@ def wait_fences(stream: Any, fences: Sequence[Any]) -> None:
         stream.wait_event(event)
 
 
-def drain(stream: Any) -> None:
-    """Block until everything queued on ``stream`` is done (CPU: nothing queued)."""
+class DeviceStallError(RuntimeError):
+    """A side stream did not drain by its deadline (the device is wedged)."""
+
+
+_DRAIN_TIMEOUT_S = 60.0
+
+
+def drain(stream: Any, timeout_s: float = _DRAIN_TIMEOUT_S) -> None:
+    """Block this (side) thread until everything queued on ``stream`` is done;
+    ``DeviceStallError`` past the deadline. CPU: nothing is ever queued."""
     if stream is not None:
-        stream.synchronize()
+        _poll(stream, timeout_s, "a KVCR side stream did not drain")
+
+
+def wait_event(event: Any, timeout_s: float = _DRAIN_TIMEOUT_S) -> None:
+    """Block this (side) thread until ``event`` has completed, with a deadline."""
+    _poll(event, timeout_s, "a KVCR copy did not complete")
+
+
+def _poll(waitable: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    pause = 20e-6
+    while not waitable.query():
+        if time.monotonic() >= deadline:
+            raise DeviceStallError(f"{what} within {timeout_s:.0f} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
 
 
 def fences_done(fences: Sequence[Any]) -> bool:

@@ -13,13 +13,17 @@ can count what a GPU host would lock.
 from __future__ import annotations
 
 import logging
+import mmap
 from collections.abc import Callable
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-_ALIGN = 4096
+_ALIGN = mmap.PAGESIZE
+# Buffers quarantined by any linker: referenced here so their memory is never
+# freed (or unlocked) under a transfer that may still write it.
+_QUARANTINED: list[torch.Tensor] = []
 _PORTABLE = 1  # cudaHostRegisterPortable
 
 
@@ -33,8 +37,8 @@ def _cuda_register(ptr: int, nbytes: int) -> None:
         raise HostMemoryError(
             f"cudaHostRegister of {nbytes} bytes failed (cudaError {res}); lower "
             "local_dram_bytes_per_worker or max_inflight_offload_bytes in "
-            "--unified-cache-external-linker-config, or raise the host's locked-"
-            "memory limit (ulimit -l)"
+            "--unified-cache-external-linker-config (the host cannot lock that much "
+            "memory next to what it already holds)"
         )
 
 
@@ -58,6 +62,7 @@ class HostMemory:
         self._register = register or _cuda_register
         self._unregister = unregister or _cuda_unregister
         self._locked: dict[int, int] = {}  # data_ptr -> bytes locked
+        self._kept: set[int] = set()  # quarantined: never unlocked
 
     @property
     def pinned_bytes(self) -> int:
@@ -87,3 +92,16 @@ class HostMemory:
         nbytes = self._locked.pop(buf.data_ptr(), None)
         if nbytes is not None:
             self._unregister(buf.data_ptr())
+
+    def release_all(self) -> None:
+        """Unlock every buffer not quarantined (startup failed, nothing ran)."""
+        for ptr in list(self._locked):
+            if ptr not in self._kept:
+                del self._locked[ptr]
+                self._unregister(ptr)
+
+    def quarantine(self, buf: torch.Tensor) -> None:
+        """Keep ``buf`` alive and locked for the life of the process: a transfer
+        that never proved it stopped may still write it. Still counted."""
+        _QUARANTINED.append(buf)
+        self._kept.add(buf.data_ptr())

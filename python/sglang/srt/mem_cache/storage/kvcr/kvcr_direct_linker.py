@@ -16,6 +16,7 @@ KV. Claims are released when the restore lands or the request ends.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import enum
 import itertools
@@ -204,8 +205,9 @@ class _DeferredOffload:
     the host) before its deposits are built."""
 
     record: _Offload
-    groups: list[_PoolPages]  # the KV pool's group first
+    groups: list[_PoolPages]
     fences: tuple[Any, ...]
+    deadline: float  # past it with fences pending, the offload fails
 
 
 @dataclasses.dataclass(slots=True)
@@ -297,10 +299,6 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             plan.pages,
             plan.unused_bytes,
         )
-        # KVCR-owned DRAM; pinned on GPU hosts so restores can be asynchronous.
-        self._storage = {
-            pool.name: self._memory.alloc(pool.bytes) for pool in plan.pools
-        }
         # Restore destinations: each part's device buffer as one row per page.
         self._dest_rows = {
             pool.name: [
@@ -312,10 +310,22 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             name: [wide_rows(rows) for rows in parts]
             for name, parts in self._dest_rows.items()
         }
-        # CUDA restores move whole slot runs from locked DRAM (see restore_copy).
-        self._span_restore = SpanRestore(self._device.device) if self._is_cuda else None
         self._agent = ""
-        self._staging = self._make_staging()
+        try:
+            # KVCR-owned DRAM; locked on GPU hosts so restores are asynchronous.
+            self._storage = {
+                pool.name: self._memory.alloc(pool.bytes) for pool in plan.pools
+            }
+            # CUDA restores move whole slot runs from locked DRAM (restore_copy).
+            self._span_restore = (
+                SpanRestore(self._device.device, self._memory)
+                if self._is_cuda
+                else None
+            )
+            self._staging = self._make_staging()
+        except BaseException:
+            self._memory.release_all()  # nothing has used them yet
+            raise
         self._factory_args: dict[str, Any] = {
             "agent_name": self._agent,
             "pool_layouts": self.layout.kvcr_pool_layouts(),
@@ -368,6 +378,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         except BaseException:
             if self._staging is not None:
                 self._staging.close(cfg.owner_wait_timeout_s)
+            self._memory.release_all()
             raise
         self._loader_jobs: queue.SimpleQueue[
             tuple[int, list[_LoadJob], tuple[Any, ...]] | None
@@ -419,15 +430,20 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
 
     def reset(self) -> None:
         """Flush: drop every claim and preparation and rebuild an empty KVCR."""
-        self._quiesce_loads()
+        loads_quiet = self._quiesce_loads()
         self._deferred_deposits.clear()  # the wrapper fails its pending offloads
-        if self._staging is not None:
-            self._staging.wait_idle(self.config.owner_wait_timeout_s)
+        staging_quiet = self._staging is None or self._staging.wait_idle(
+            self.config.owner_wait_timeout_s
+        )
         self._release_all()
-        clean = self._adapter.close()
-        if self._staging is not None:
+        clean = self._adapter.close() and loads_quiet
+        if self._staging is not None and staging_quiet:
             for slots in self._staged_slots.values():
                 self._staging.free(slots)
+        elif self._staging is not None:  # a copy may still write them: never reuse
+            logger.error(
+                "KVCR reset: stager busy; %d slot sets retired", len(self._staged_slots)
+            )
         self._staged_slots.clear()
         # Operations of the old core never complete here: forget what they owed.
         self._op_owner.clear()
@@ -440,6 +456,8 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             # A transfer may still write the old DRAM: quarantine it with its core
             # and give the new KVCR fresh memory.
             self._quarantined.extend(self._storage.values())
+            for storage in self._storage.values():
+                self._memory.quarantine(storage)
             self._storage = {
                 name: self._memory.alloc(t.numel()) for name, t in self._storage.items()
             }
@@ -461,28 +479,47 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
 
     def close(self) -> None:
         timeout = self.config.owner_wait_timeout_s
-        self._quiesce_loads()
+        stopped = self._quiesce_loads()
         self._deferred_deposits.clear()
         self._loader_jobs.put(None)
         self._loader.join(timeout)
-        stopped = not self._loader.is_alive()
-        if not stopped:
+        if self._loader.is_alive():
             logger.error("KVCR restore loader did not stop within %.1f s", timeout)
+            stopped = False
         if self._staging is not None:
             stopped = self._staging.close(timeout) and stopped
         self._release_all()
         self._log_stats(force=True)
+        buffers = [*self._storage.values()]
+        if self._staging is not None:
+            buffers += self._staging.buffers.values()
         if self._adapter.close() and stopped:
             # Nothing can touch the buffers any more: unlock them.
-            for storage in self._storage.values():
-                self._memory.release(storage)
-            if self._staging is not None:
-                self._staging.release()
+            for buf in buffers:
+                self._memory.release(buf)
+            if self._span_restore is not None:
+                self._span_restore.close()
+        else:  # something may still write them: keep them for the process's life
+            for buf in buffers:
+                self._memory.quarantine(buf)
 
-    def _quiesce_loads(self) -> None:
+    def _quiesce_loads(self) -> bool:
+        """Finish every started restore batch, bounded by ``owner_wait_timeout_s``;
+        False when one is still copying at the deadline (its DRAM and slots may
+        still be touched: the caller quarantines the DRAM)."""
         self._queued_loads.clear()
+        deadline = time.monotonic() + self.config.owner_wait_timeout_s
+        quiet = True
         for index in list(self._batches):
+            layers = self.layer_done_counter.futures.get(index, [])
+            left = max(0.0, deadline - time.monotonic())
+            if concurrent.futures.wait(layers, timeout=left).not_done:
+                logger.error("KVCR restore batch %d still copying at shutdown", index)
+                self._batches.pop(index, None)
+                quiet = False
+                continue
             self.finish_layer_wise_loading(index)
+        return quiet
 
     def _release_all(self) -> None:
         claims: list[int] = []
@@ -795,15 +832,24 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         kv = by_name.get(PoolName.KV)
         if kv is None or not kv.keys:
             return False
+        window = by_name.get(PoolName.SWA)
+        if not _covers(kv.device_indices, len(kv.keys), self.page_size) or (
+            window is not None
+            and window.keys
+            and not _covers(window.device_indices, len(window.keys), self.page_size)
+        ):
+            # Not queued: the wrapper recomputes this request (the answer depends
+            # on the transfers only, so every rank agrees).
+            logger.warning("KVCR load for %s: slot indices do not cover its pages", rid)
+            return False
         prep = self._preps.get(rid)
         page_hashes = list(kv.keys)
         slots: dict[str, list[tuple[int, ...]]] = {
             p.name: [] for p in self.layout.pools
         }
         claims: list[int] = []
-        complete = prep is not None and kv.device_indices is not None
+        complete = prep is not None
         # Window pools restore the SWA transfer's pages (the trailing window).
-        window = by_name.get(PoolName.SWA)
         window_index = (
             {h: j for j, h in enumerate(window.keys or ())}
             if window is not None
@@ -858,9 +904,10 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         index = self.layer_done_counter.update_producer()
         self._batches[index] = jobs
         if self._is_cuda:
-            # Layer by layer beside the forward, after the destination indices
-            # (current stream) and the launched batch (forward stream: pages
-            # freed by overlap scheduling may still be written by it).
+            # On the loader thread, after the destination indices (current
+            # stream) and the launched batch (forward stream: pages freed by
+            # overlap scheduling may still be written by it). The batch moves as
+            # whole slot runs at DMA speed; its layers complete together.
             fences = self._device.record_fences(self.forward_stream)
             self._loader_jobs.put((index, jobs, fences))
         else:
@@ -917,8 +964,12 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
     def _offload(self, record: _Offload, transfers: list[PoolTransfer]) -> bool:
         by_name = {t.name: t for t in transfers}
         kv = by_name.get(PoolName.KV)
-        if kv is None or not kv.keys or kv.device_indices is None:
-            record.fail()
+        if (
+            kv is None
+            or not kv.keys
+            or not _covers(kv.device_indices, len(kv.keys), self.page_size)
+        ):
+            record.fail()  # nothing (or not every page) to read: stored nothing
             return True
         # Per KVCR pool: the page hashes it stores and their device pages (a tensor
         # on the pools' device: nothing here waits for the GPU). Window pools store
@@ -930,7 +981,11 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         window = by_name.get(PoolName.SWA)
         window_keys: list[str] = []
         window_pages = kv_pages[:0]
-        if window is not None and window.keys and window.device_indices is not None:
+        if (
+            window is not None
+            and window.keys
+            and _covers(window.device_indices, len(window.keys), step)
+        ):
             keep = [j for j, h in enumerate(window.keys) if h in ordinal]
             window_keys = [window.keys[j] for j in keep]
             window_pages = _select(
@@ -954,7 +1009,10 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             # wait here: this thread has the batch's output to stream).
             host = [dataclasses.replace(g, pages=_to_host(g.pages)) for g in groups]
             fences = (*events, *self._device.record_fences(None))
-            self._deferred_deposits.append(_DeferredOffload(record, host, fences))
+            deadline = time.monotonic() + self.config.operation_timeout_ms / 1000.0
+            self._deferred_deposits.append(
+                _DeferredOffload(record, host, fences, deadline)
+            )
             return True
         slots = staging.alloc(len(kv_keys))
         if slots is None:
@@ -992,57 +1050,64 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         return True
 
     def _submit_deferred_deposits(self) -> None:
-        """Submit the direct-path offloads whose pages are ready, in order.
-
-        Large offloads go as ``_DEPOSIT_PARTS`` deposits, so KVCR's per-block
-        Python work on the owner thread for the second overlaps the copy of the
-        first (see the docs' performance notes for the measured split)."""
+        """Submit the direct-path offloads whose pages are ready, in order; one
+        whose fences are still pending past its deadline fails in place."""
         ready = 0
+        now = time.monotonic()
         for deferred in self._deferred_deposits:
             if not fences_done(deferred.fences):
-                break
+                if now < deferred.deadline:
+                    break
+                logger.error("KVCR offload: pages not written in time; it fails")
+                deferred.record.fail()
             ready += 1
         batch = self._deferred_deposits[:ready]
         del self._deferred_deposits[:ready]
         for deferred in batch:
-            record = deferred.record
-            items = [
-                (g.pool, h, p)
-                for g in deferred.groups
-                for h, p in zip(g.keys, g.pages.tolist(), strict=True)
+            if deferred.record.result is None:
+                try:
+                    self._submit_deferred(deferred)
+                except BaseException:
+                    logger.exception("KVCR offload could not be submitted; it fails")
+                    deferred.record.fail()
+
+    def _submit_deferred(self, deferred: _DeferredOffload) -> None:
+        """Build and submit one ready direct-path offload's deposits. Large ones go
+        as ``_DEPOSIT_PARTS`` deposits (window pages with the half their page falls
+        in), so KVCR's per-block Python work on the owner thread for the second
+        overlaps the copy of the first."""
+        record = deferred.record
+        kv_group = next(g for g in deferred.groups if not g.pool.trailing)
+        order = {h: i for i, h in enumerate(kv_group.keys)}
+        parts = _DEPOSIT_PARTS if record.nbytes >= _SPLIT_DEPOSIT_BYTES else 1
+        half = -(-len(order) // parts)
+        chunks: dict[int, list[tuple[Any, str, int]]] = {}
+        for g in deferred.groups:
+            for h, p in zip(g.keys, g.pages.tolist(), strict=True):
+                chunks.setdefault(order[h] // half, []).append((g.pool, h, p))
+        try:
+            deposits = [
+                Deposit(
+                    op_id=self._adapter.next_op_id(),
+                    blocks={
+                        self.layout.block_key(h, pool.name): pool.memory_refs(
+                            self._agent, p
+                        )
+                        for pool, h, p in chunk
+                    },
+                    nbytes=sum(self._pool_page_bytes[pool.name] for pool, *_ in chunk),
+                )
+                for chunk in chunks.values()
             ]
-            kv_group = next(g for g in deferred.groups if not g.pool.trailing)
-            order = {h: i for i, h in enumerate(kv_group.keys)}
-            parts = _DEPOSIT_PARTS if record.nbytes >= _SPLIT_DEPOSIT_BYTES else 1
-            half = -(-len(order) // parts)
-            chunks: dict[int, list[Any]] = {}
-            for item in items:
-                chunks.setdefault(order.get(item[1], 0) // half, []).append(item)
-            try:
-                deposits = [
-                    Deposit(
-                        op_id=self._adapter.next_op_id(),
-                        blocks={
-                            self.layout.block_key(h, pool.name): pool.memory_refs(
-                                self._agent, p
-                            )
-                            for pool, h, p in chunk
-                        },
-                        nbytes=sum(
-                            self._pool_page_bytes[pool.name] for pool, *_ in chunk
-                        ),
-                    )
-                    for chunk in chunks.values()
-                ]
-            except KVCRLayoutError:
-                logger.exception("KVCR offload could not be described; it fails")
-                record.fail()
-                continue
-            record.pending = len(deposits)
-            for deposit in deposits:
-                self._offload_pending[deposit.op_id] = record
-            # Charged as one: the halves of one offload are admitted together.
-            self._adapter.submit_together(deposits)
+        except KVCRLayoutError:
+            logger.exception("KVCR offload could not be described; it fails")
+            record.fail()
+            return
+        record.pending = len(deposits)
+        for deposit in deposits:
+            self._offload_pending[deposit.op_id] = record
+        # Charged as one: the halves of one offload are admitted together.
+        self._adapter.submit_together(deposits)
 
     def num_completed_offloads(self) -> int:
         self._pump()
@@ -1106,9 +1171,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
                     self._storage[name].view(-1, self._pool(name).page_bytes),
                     self._dest_rows[name],
                 )
-                self._span_restore.copy_pool(
-                    targets, dest, store, slots, host_dest=dest.tolist
-                )
+                self._span_restore.copy_pool(targets, dest, store, slots)
             drain(stream)
             for layer in range(self.num_layers):
                 self.layer_done_counter.complete(index, layer)
@@ -1321,7 +1384,13 @@ def kvcache_layout_identity(
 def _page_numbers(indices: torch.Tensor, pages: int, page_size: int) -> torch.Tensor:
     """The page numbers of the first ``pages`` pages of a token-slot index tensor,
     computed where the tensor lives (no host sync on CUDA)."""
-    return indices[: pages * page_size : page_size] // page_size
+    return (indices[: pages * page_size : page_size] // page_size).long()
+
+
+def _covers(indices: torch.Tensor | None, pages: int, page_size: int) -> bool:
+    """Whether a transfer's index tensor holds every slot of ``pages`` pages
+    (shape metadata only: no host sync)."""
+    return indices is not None and indices.numel() >= pages * page_size
 
 
 def _select(pages: torch.Tensor, keep: list[int]) -> torch.Tensor:

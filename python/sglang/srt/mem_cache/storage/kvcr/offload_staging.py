@@ -1,7 +1,7 @@
 """Host staging for offloads: device pages -> pinned host slots -> KVCR deposit.
 
 NIXL's same-agent VRAM route is slow, so for GPU pools the linker registers a
-pinned host staging area with KVCR instead of the device buffers. An offload takes
+page-locked host staging area with KVCR instead of the device buffers. An offload takes
 free staging slots (none free: the offload fails at once, counted as backpressure),
 a stager thread (bound to the pools' device) orders its own stream after the
 offload-ready events, gathers each part's pages on the device into a bounded
@@ -47,7 +47,7 @@ class StageJob:
 
 
 class HostStaging:
-    """Pinned staging slots, one ``(parts, pages, page_bytes)`` tensor per pool."""
+    """Page-locked staging slots, one ``(parts, pages, page_bytes)`` tensor per pool."""
 
     def __init__(
         self,
@@ -67,6 +67,8 @@ class HostStaging:
             p.name: memory.alloc_like((len(p.spans), pages, p.page_bytes))
             for p in self._pools
         }
+        # Device gather buffer (SCRATCH_BYTES), allocated by the first copy on
+        # the stager's stream.
         self._scratch: torch.Tensor | None = None
         self._free: collections.deque[int] = collections.deque(range(pages))
         self._jobs: queue.SimpleQueue[StageJob | None] = queue.SimpleQueue()
@@ -133,11 +135,6 @@ class HostStaging:
             logger.error("KVCR stager did not stop within %.1f s", timeout_s)
             return False
         return True
-
-    def release(self) -> None:
-        """Unlock the staging buffers (after the stager and KVCR have stopped)."""
-        for buf in self.buffers.values():
-            self._memory.release(buf)
 
     def _run(self) -> None:
         self._device.bind_thread()

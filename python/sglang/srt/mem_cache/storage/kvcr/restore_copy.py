@@ -13,10 +13,14 @@ scattered on the device.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from sglang.srt.mem_cache.storage.kvcr.device_streams import wait_event
+from sglang.srt.mem_cache.storage.kvcr.host_memory import HostMemory
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,35 +118,60 @@ class CpuRestorePlan:
 
 
 class SpanRestore:
-    """The GPU restore copy: KVCR DRAM is page-locked, so each run of claimed slots
+    """The GPU restore copy. KVCR DRAM is page-locked, so each run of claimed slots
     moves to the device as one contiguous span (one asynchronous host-to-device
-    copy per scratch-sized chunk, at DMA speed, with no host-side gather) and is
+    copy per scratch-sized chunk, at DMA speed, no host-side gather) and is
     scattered into the destination page rows by device kernels, one per part.
 
     Rows of a run are ``first[part] + page * stride``; KVCR gives an object's parts
     adjacent slots, so a run's span is dense (``stride`` = parts). A run whose span
-    would be more than twice its bytes goes page by page, and a page whose parts
-    lie far apart copies row by row, still asynchronously from locked memory. Everything is queued on
-    the caller's stream and reuses one scratch buffer in stream order; the caller
-    drains the stream before the claims or the destination slots are given back.
-    With a CPU device the same steps run synchronously (tests exercise them).
+    would be more than twice its bytes goes page by page; pages whose own parts lie
+    far apart (churned DRAM) are gathered on the host into a locked scratch buffer
+    (torch's intra-op threads) and moved with one copy per chunk. Everything is
+    queued on the caller's current stream and reuses the device scratch in stream
+    order; the host scratch is rewritten only after the copy reading it has
+    finished. The caller drains the stream before the claims or the destination
+    slots are given back. With a CPU device the same steps run synchronously.
     """
 
     SCRATCH_BYTES = 32 << 20
 
-    def __init__(self, device: torch.device, scratch_bytes: int = SCRATCH_BYTES):
+    def __init__(
+        self,
+        device: torch.device,
+        memory: HostMemory | None = None,
+        scratch_bytes: int = SCRATCH_BYTES,
+    ) -> None:
         self.device = device
         self.scratch_bytes = scratch_bytes
-        self._scratch: torch.Tensor | None = None
-        self.row_copies = 0  # rows that went one by one (fragmented runs)
+        self._memory = memory or HostMemory(pin=False)
+        # Allocated up front so a GPU host fails at startup, not mid-restore.
+        self._scratch = torch.empty(scratch_bytes, dtype=torch.uint8, device=device)
+        self._host: torch.Tensor | None = None
+        self._host_busy: Any = None  # event after the last copy out of _host
+        self.gathered_pages = 0  # pages that went through the host gather
         self.span_copies = 0  # host-to-device span copies
 
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        if self._scratch is None or self._scratch.numel() < nbytes:
-            self._scratch = torch.empty(
-                max(nbytes, self.scratch_bytes), dtype=torch.uint8, device=self.device
-            )
-        return self._scratch
+    def _device_buffer(self, nbytes: int) -> torch.Tensor:
+        if self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._scratch[:nbytes]
+
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        if self._host_busy is not None:  # the previous chunk's copy still reads it
+            wait_event(self._host_busy)
+            self._host_busy = None
+        if self._host is None or self._host.numel() < nbytes:
+            if self._host is not None:
+                self._memory.release(self._host)
+            self._host = self._memory.alloc(max(nbytes, self.scratch_bytes))
+        return self._host[:nbytes]
+
+    def close(self) -> None:
+        """Unlock the host scratch (the caller has drained the stream)."""
+        if self._host is not None:
+            self._memory.release(self._host)
+            self._host = None
 
     def copy_pool(
         self,
@@ -150,32 +179,27 @@ class SpanRestore:
         dest: torch.Tensor,
         store: torch.Tensor,
         src_slots: Sequence[tuple[int, ...]],
-        host_dest: Callable[[], list[int]],
     ) -> None:
         """``dest_parts[p][dest[i]] = store[src_slots[i][p]]`` for every page ``i``
         and part ``p``. ``dest_parts`` and ``store`` are 2-D row tensors of one
-        element type; ``dest`` is a device index tensor; ``host_dest`` gives its
-        values on the host (needed only by fragmented runs)."""
+        element type; ``dest`` is a device index tensor."""
         nparts = len(dest_parts)
         row_bytes = store.shape[1] * store.element_size()
-        cap_rows = max(1, self.scratch_bytes // row_bytes)
-        host: list[int] | None = None
+        cap_rows = max(nparts, self.scratch_bytes // row_bytes)
+        scattered: list[int] = []
         for seg in _dense_segments(plan_segments(src_slots), nparts):
             n = seg.stop - seg.start
             low, high = min(seg.first), max(seg.first)
-            if high - low + 1 > 2 * nparts:  # one page's parts far apart
-                if host is None:
-                    host = host_dest()
-                self._copy_rows(dest_parts, host, store, src_slots, seg)
-                continue
             page_span = high - low + 1
+            if page_span > 2 * nparts:  # this page's parts lie far apart
+                scattered.extend(range(seg.start, seg.stop))
+                continue
             per_chunk = max(1, (max(cap_rows, page_span) - page_span) // seg.stride + 1)
             for a in range(0, n, per_chunk):
                 b = min(n, a + per_chunk)
                 lo = low + a * seg.stride
-                rows = high - low + 1 + (b - a - 1) * seg.stride
-                scratch = self._buffer(rows * row_bytes)
-                staged = scratch[: rows * row_bytes].view(store.dtype).view(rows, -1)
+                rows = page_span + (b - a - 1) * seg.stride
+                staged = _rows(self._device_buffer(rows * row_bytes), store, rows)
                 staged.copy_(store[lo : lo + rows], non_blocking=True)
                 self.span_copies += 1
                 index = dest[seg.start + a : seg.start + b]
@@ -187,19 +211,47 @@ class SpanRestore:
                         + (seg.first[part] - low) * staged.stride(0),
                     )
                     target.index_copy_(0, index, view)
+        if scattered:
+            self._copy_gathered(dest_parts, dest, store, src_slots, scattered, cap_rows)
 
-    def _copy_rows(
+    def _copy_gathered(
         self,
         dest_parts: Sequence[torch.Tensor],
-        host: list[int],
+        dest: torch.Tensor,
         store: torch.Tensor,
         src_slots: Sequence[tuple[int, ...]],
-        seg: Segment,
+        pages: list[int],
+        cap_rows: int,
     ) -> None:
-        for i in range(seg.start, seg.stop):
+        nparts = len(dest_parts)
+        row_bytes = store.shape[1] * store.element_size()
+        per_chunk = max(1, cap_rows // nparts)
+        cuda = self.device.type == "cuda"
+        for a in range(0, len(pages), per_chunk):
+            chunk = pages[a : a + per_chunk]
+            rows = len(chunk) * nparts
+            host = _rows(self._host_buffer(rows * row_bytes), store, rows)
+            slots = torch.tensor(
+                [src_slots[i][p] for i in chunk for p in range(nparts)],
+                dtype=torch.long,
+            )
+            torch.index_select(store, 0, slots, out=host)
+            staged = _rows(self._device_buffer(rows * row_bytes), store, rows)
+            staged.copy_(host, non_blocking=True)
+            if cuda:
+                self._host_busy = torch.cuda.Event()
+                self._host_busy.record()
+            positions = torch.tensor(chunk, dtype=torch.long, pin_memory=cuda)
+            index = dest.index_select(0, positions.to(dest.device, non_blocking=True))
+            by_page = staged.view(len(chunk), nparts, staged.shape[1])
             for part, target in enumerate(dest_parts):
-                target[host[i]].copy_(store[src_slots[i][part]], non_blocking=True)
-                self.row_copies += 1
+                target.index_copy_(0, index, by_page[:, part])
+            self.gathered_pages += len(chunk)
+
+
+def _rows(buf: torch.Tensor, like: torch.Tensor, rows: int) -> torch.Tensor:
+    """``buf`` (bytes) as ``rows`` rows of ``like``'s element type and width."""
+    return buf.view(like.dtype).view(rows, like.shape[1])
 
 
 def _dense_segments(segments: list[Segment], nparts: int) -> Iterator[Segment]:
