@@ -9,9 +9,14 @@ configuration the same prompts:
 * ``kvcr``: the KVCR direct linker (``--unified-cache-external-linker-backend kvcr``).
 
 Workloads, repeated ``--reps`` times: ``zero_hit`` (unique prompts, nothing to
-reuse) and ``evict_replay`` (a seed prompt, filler traffic that cycles the small
-device pool, then the seed again). TTFT is the time from sending a streaming
-``/generate`` (``"stream": true``) to receiving its first chunk. On CPU the
+reuse), ``evict_replay`` (a seed prompt, filler traffic that cycles the small
+device pool, then the seed again) and ``decode_itl`` (``--itl-rounds`` rounds
+spread over the reps: one streaming request decodes ``--itl-output-len`` tokens
+while unique ``--prompt-len`` prompts arrive, one per ``--itl-every-tokens`` of
+its output, whose prefills make the KVCR linker write pages through; per-token
+inter-token latency p50/p99 against ``none`` under the same load;
+``decode_itl.py`` says what a sample is). TTFT is the time from sending a
+streaming ``/generate`` (``"stream": true``) to receiving its first chunk. On CPU the
 servers run side by side, one active at a time (the others SIGSTOPped), taking
 turns rep by rep, so load from elsewhere on a shared machine hits each alike; on
 GPU they run one after another. Every sample is kept in the JSON report with the
@@ -27,6 +32,10 @@ not a known skip fails, or when a KVCR replay is not served from KVCR.
 CPU (default): the project's tiny offline model. GPU: ``--device cuda --model-path
 Qwen/Qwen3-0.6B --page-size 64 --prompt-len 3000 --output-len 1`` plus backend
 flags in ``--server-args``.
+
+``decode_itl`` checks that KVCR really wrote through during the foreground
+decodes: background prefills finished inside every kvcr window, and the kvcr
+server's KVCR_STATS count an offload for each background prompt (none failed).
 """
 
 from __future__ import annotations
@@ -49,12 +58,16 @@ import requests
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "test"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import decode_itl  # noqa: E402
 
 from cpu_harness import server as harness  # noqa: E402
 from cpu_harness.tiny_model import ensure_tiny_model  # noqa: E402
 
 CONFIGS = ("none", "hicache", "kvcr")
-WORKLOADS = ("zero_hit", "evict_replay")
+WORKLOADS = ("zero_hit", "evict_replay", "decode_itl")
+ITL_P99_TARGET = 1.1  # kvcr ITL p99 under write-through load <= 1.1x none
 STATS_RE = re.compile(r"KVCR_STATS .*")
 STATS_FIELD_RE = re.compile(r"(\w+)=(-?[0-9.]+)\b")
 ERROR_RE = re.compile(r"^\s*(?:[A-Za-z_][\w.]*)?(?:Error|Exception)\b[^:]*: .*$")
@@ -83,6 +96,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fillers per replay (default: enough to cycle the device pool twice)",
     )
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument(
+        "--itl-rounds",
+        type=int,
+        default=5,
+        help="decode_itl rounds per config, spread evenly over the reps",
+    )
+    p.add_argument("--itl-output-len", type=int, default=96)
+    p.add_argument("--itl-fg-prompt-len", type=int, default=64)
+    p.add_argument(
+        "--itl-concurrency",
+        type=int,
+        default=2,
+        help="most background prompts in flight at once",
+    )
+    p.add_argument(
+        "--itl-every-tokens",
+        type=int,
+        default=16,
+        help="one background prompt when the decode starts and after every this "
+        "many of its output tokens",
+    )
     p.add_argument("--zero-hit-per-rep", type=int, default=4)
     p.add_argument("--warmup", type=int, default=3, help="warm-up requests per server")
     p.add_argument(
@@ -154,6 +188,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--output-len must be >= 1")
     if args.reps < 1 or args.zero_hit_per_rep < 1:
         p.error("--reps and --zero-hit-per-rep must be >= 1")
+    if args.itl_rounds < 1 or args.itl_output_len < 8:
+        p.error("--itl-rounds must be >= 1 and --itl-output-len >= 8")
+    if args.itl_concurrency < 1 or args.itl_every_tokens < 1:
+        p.error("--itl-concurrency and --itl-every-tokens must be >= 1")
+    if args.itl_fg_prompt_len < 1:
+        p.error("--itl-fg-prompt-len must be >= 1")
     if args.warmup < 0 or args.filler_requests < 0 or args.dram_bytes < 0:
         p.error("--warmup, --filler-requests and --dram-bytes must be >= 0")
     if args.hicache_ratio <= 0 or args.hicache_size < 0:
@@ -213,7 +253,7 @@ def stream_ttft(
                 f"/generate returned {resp.status_code}: {resp.text[:2000]}\n"
                 f"--- server log tail ---\n{server.log_tail()}"
             )
-        for line in resp.iter_lines():
+        for line in resp.iter_lines(chunk_size=None):  # each chunk as it arrives
             if not line.startswith(b"data:"):
                 continue
             body = line[5:].strip()
@@ -371,6 +411,11 @@ class Bench:
         ]
         self.seeds = [self.prompt() for _ in reps]
         self.filler = [[self.prompt() for _ in range(self.fillers)] for _ in reps]
+        self.itl_fg = [
+            [self.rng.randrange(3, self.vocab) for _ in range(args.itl_fg_prompt_len)]
+            for _ in range(args.itl_rounds)
+        ]
+        self.itl_per_rep = -(-args.itl_rounds // args.reps)
         self.results: dict[str, dict[str, Any]] = {}
         self.failures: list[str] = []
 
@@ -458,6 +503,49 @@ class Bench:
         for ids in self.warmup:
             self.send(server, ids)
 
+    def itl_prompts(self, index: int) -> Any:
+        """Round ``index``'s background prompts: the same sequence on every config."""
+        return decode_itl.prompt_maker(
+            self.args.seed * 1000 + 17 + index, self.args.prompt_len, self.vocab
+        )
+
+    def itl_rep(
+        self,
+        server: harness.ServerHandle,
+        name: str,
+        rep: int,
+        samples: dict[str, list[dict[str, Any]]],
+    ) -> None:
+        first = rep * self.itl_per_rep
+        for index in range(first, min(first + self.itl_per_rep, self.args.itl_rounds)):
+            self.itl_round(server, name, rep, index, samples)
+
+    def itl_round(
+        self,
+        server: harness.ServerHandle,
+        name: str,
+        rep: int,
+        index: int,
+        samples: dict[str, list[dict[str, Any]]],
+    ) -> None:
+        r = decode_itl.itl_round(
+            server.base_url,
+            self.itl_fg[index],
+            self.itl_prompts(index),
+            concurrency=self.args.itl_concurrency,
+            every_tokens=self.args.itl_every_tokens,
+            output_len=self.args.itl_output_len,
+            timeout=self.args.request_timeout,
+        )
+        samples["decode_itl"].append({"rep": rep, "round": index, **r})
+        one = decode_itl.itl_summary([r])
+        print(
+            f"[bench] {name} itl round {index}: p50={one['p50']} ms "
+            f"p99={one['p99']} ms, background done in window "
+            f"{r['background_done_in_window']}",
+            flush=True,
+        )
+
     def finish(self, name: str, server: harness.ServerHandle) -> None:
         if name == "kvcr":
             self.guarded(name, self.wait_for_stats, server)
@@ -473,6 +561,8 @@ class Bench:
                 w: summarize([s["ttft_ms"] for s in samples])
                 for w, samples in result["samples"].items()
             }
+            if "decode_itl" in result["samples"]:
+                result["itl"] = decode_itl.itl_summary(result["samples"]["decode_itl"])
 
     def run_sequential(self) -> None:
         """One server at a time (GPU: the servers share one device)."""
@@ -544,13 +634,27 @@ class Bench:
                 f"external={s['external_cached_tokens']}",
                 flush=True,
             )
+        if "decode_itl" in samples:
+            self.itl_rep(server, name, rep, samples)
 
     def wait_for_stats(self, server: harness.ServerHandle) -> None:
-        """KVCR_STATS is logged every 30 s from the scheduler's pump; keep it busy."""
+        """KVCR_STATS is logged every 30 s from the scheduler's pump; keep it busy.
+        With decode_itl, wait for a line logged after the workloads (its totals
+        then count every offload of the run), else for any line."""
+        fresh = "decode_itl" in self.args.workloads
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(time.time() + 1))
+
+        def seen() -> bool:
+            if not fresh:
+                return bool(STATS_RE.search(server.log_text()))
+            stamps = decode_itl.stamped_stats(server.log_text())
+            return any(stamp >= since for stamp, _ in stamps)
+
         deadline = time.monotonic() + self.args.stats_wait_s
-        while not STATS_RE.search(server.log_text()) and time.monotonic() < deadline:
+        while not seen() and time.monotonic() < deadline:
             server.generate(input_ids=self.warmup[0][:32] or [5, 6], max_new_tokens=1)
             time.sleep(1.0)
+        self.results["kvcr"]["kvcr_stats_after_workloads"] = seen()
 
     def checks(self) -> list[dict[str, Any]]:
         """KVCR replays must be served from KVCR (not the device, not recomputed)."""
@@ -573,6 +677,65 @@ class Bench:
             )
             if not ok:
                 self.failures.append("kvcr replays were not served from KVCR")
+        if kvcr and kvcr["status"] == "ok" and "decode_itl" in self.args.workloads:
+            out += self.itl_checks(kvcr)
+        return out
+
+    def itl_checks(self, kvcr: dict[str, Any]) -> list[dict[str, Any]]:
+        """Write-through really ran during the kvcr windows; then the p99 ratio."""
+        rounds = kvcr["samples"]["decode_itl"]
+        stats = kvcr.get("kvcr_stats_last", {})
+        sent = sum(r["background_sent"] for r in rounds)
+        in_window = [r["background_done_in_window"] for r in rounds]
+        page_bytes = stats.get("offloaded_bytes", 0) / max(
+            1, stats.get("offload_pages", 0)
+        )
+        pages = self.aligned // self.args.page_size
+        wrote = {
+            "name": "kvcr_itl_write_through",
+            "passed": bool(rounds)
+            and 4 * sum(n > 0 for n in in_window) >= 3 * len(in_window)
+            and sum(r["background_failed"] for r in rounds) == 0
+            and stats.get("offloaded_bytes", 0) > 0
+            and stats.get("offload_failures", 1) == 0
+            and stats.get("offloads", 0) >= sent
+            and kvcr.get("kvcr_stats_after_workloads", False),
+            "background_done_in_window": in_window,
+            "background_sent": sent,
+            "stats_offloads": stats.get("offloads"),
+            "stats_offloaded_bytes": stats.get("offloaded_bytes"),
+            "stats_offload_failures": stats.get("offload_failures"),
+            "window_write_through_bytes_est": int(sum(in_window) * pages * page_bytes),
+            "note": "needs a background prefill finished inside >= 3/4 of the "
+            "kvcr windows; stats are cumulative over the kvcr server's run (KVCR_STATS "
+            "is logged every 30 s); window bytes = background prompts finished "
+            "inside the foreground windows x their full pages x page bytes",
+        }
+        out = [wrote]
+        if not wrote["passed"]:
+            self.failures.append(
+                "decode_itl: no verified write-through during the decode"
+            )
+        base = self.results.get("none", {}).get("itl", {})
+        mine = kvcr.get("itl", {})
+        if base.get("p99") and mine.get("p99"):
+            ratio = mine["p99"] / base["p99"]
+            out.append(
+                {
+                    "name": "kvcr_decode_itl_p99_vs_none",
+                    "passed": ratio <= ITL_P99_TARGET,
+                    "ratio": round(ratio, 4),
+                    "target": f"<= {ITL_P99_TARGET}",
+                    "p50_ratio": round(mine["p50"] / base["p50"], 4),
+                    "kvcr_ms": {"p50": mine["p50"], "p99": mine["p99"]},
+                    "none_ms": {"p50": base["p50"], "p99": base["p99"]},
+                }
+            )
+            if ratio > ITL_P99_TARGET:
+                self.failures.append(
+                    f"decode_itl: kvcr p99 {ratio:.3f}x none "
+                    f"(target <= {ITL_P99_TARGET})"
+                )
         return out
 
     def main(self) -> int:
@@ -605,6 +768,7 @@ class Bench:
             "ttft_method": "streaming /generate: send -> first data chunk",
             "configs": self.results,
             "ttft_ratio_vs_none": speedups,
+            "itl_method": decode_itl.__doc__,
             "checks": checks,
             "bandwidth": {
                 "restore_gbps": None,
@@ -645,6 +809,13 @@ class Bench:
                 print(
                     f"{name:<8} {w:<13} {s['median'] or 0:>15.1f} {rng:>21} "
                     f"{s['n']:>3} {ext_med:>11} {ratio if ratio else '-':>8}"
+                )
+        for name, r in self.results.items():
+            if r.get("itl", {}).get("n"):
+                i = r["itl"]
+                print(
+                    f"{name:<8} decode_itl    ITL p50 {i['p50']:.2f} ms p99 "
+                    f"{i['p99']:.2f} ms over {i['n']} tokens, {i['rounds']} rounds"
                 )
         for line in self.results.get("kvcr", {}).get("kvcr_stats", [])[-1:]:
             print(line)

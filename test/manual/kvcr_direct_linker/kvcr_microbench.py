@@ -28,6 +28,28 @@ Measures, in one run and side by side:
     with an idle KVCR linker, against the same calls with no linker;
     ``linker_idle_cpu_pct`` is what the idle linker's threads use meanwhile.
 
+(e') ``decode_itl_p50_ratio`` / ``decode_itl_p99_ratio`` (serving section, before
+    the TTFT rounds): per-token inter-token latency of one streaming request that
+    decodes ``--itl-output-len`` tokens while unique prompts arrive (one per
+    ``--itl-every-tokens`` of its output) and make the kvcr server write pages
+    through, over the same load on the
+    ``none`` server (``decode_itl.py`` says what a sample is). The KVCR_STATS
+    delta over the rounds proves the write-through happened; a phase that offloaded
+    nothing is an error, not a number.
+(f) ``restore_vs_pinned_h2d_<n>p`` / ``offload_vs_pinned_d2h_<n>p`` (transfer
+    section) at ``--transfer-pages`` (47 and 256 on cuda, 47 on cpu): a pool of
+    that geometry on ``--device``; the restore into scattered pool pages against
+    a host-to-device ``copy_`` of the same bytes from a pinned tensor, and the
+    staged offload
+    (``offload_path: staged``, until its FIFO result) against a device-to-host
+    ``copy_`` into pinned memory; device index tensors on the device, as SGLang
+    passes them. The same code runs on cpu (host-to-host copies, no pinning,
+    informational) and on cuda (targets 0.8 and 0.7; every CUDA call is behind
+    ``--device cuda``). On cuda only this section runs unless ``--skip`` says
+    otherwise.
+
+``--quick`` is a dry run (fewest reps and samples, short prompts, 47 pages only).
+
 Before each section it waits (bounded) for the machine to be mostly idle and
 records what it saw. Prints a summary table; the last line is ``REPORT <path>``
 (JSON with a top-level ``metrics`` list of name/value/unit/baseline/ratio/target/
@@ -60,6 +82,7 @@ REPO = HERE.parents[2]
 sys.path.insert(0, str(REPO / "test"))
 sys.path.insert(0, str(HERE))
 
+import decode_itl  # noqa: E402
 import kvcr_bench  # noqa: E402
 
 from cpu_harness import server as harness  # noqa: E402
@@ -91,6 +114,14 @@ class Target:
         }[self.op]
 
 
+TRANSFER_PAGES = (47, 256)  # a 3000-token prompt at page 64, and a long context
+SECTION_NAMES = ("serving", "copy", "prepare", "hint", "hooks", "transfer")
+# Skipped unless --skip says otherwise: on cuda every section but transfer (the
+# others measure CPU pools, CPU-side calls or the tiny CPU model, the same on any
+# host; kvcr_bench.py is the GPU serving bench).
+DEFAULT_TRANSFER = {"cpu": "47", "cuda": "47,256"}
+DEFAULT_SKIP = {"cpu": "", "cuda": "serving,copy,prepare,hint,hooks"}
+
 # The issue's CPU targets (ratios measured side by side in this run).
 TARGETS: dict[str, Target | None] = {
     "zero_hit_ttft_ratio": Target("ratio", "<=", 1.05),
@@ -104,11 +135,57 @@ TARGETS: dict[str, Target | None] = {
     "hint_prepare_us_p50": None,  # informational: bound by the peer transfer
     "hook_overhead_us_p50": Target("value", "<=", 150.0),
     "linker_idle_cpu_pct": None,  # informational: background cost of an idle linker
+    # Foreground decode ITL under write-through load, kvcr over none (serving).
+    "decode_itl_p50_ratio": None,
+    "decode_itl_p99_ratio": Target("ratio", "<=", 1.1),
+    # The CUDA targets (issue 11); on cpu the same figures are informational.
+    **{
+        f"restore_vs_pinned_h2d_{n}p": Target("ratio", ">=", 0.8)
+        for n in TRANSFER_PAGES
+    },
+    **{
+        f"offload_vs_pinned_d2h_{n}p": Target("ratio", ">=", 0.7)
+        for n in TRANSFER_PAGES
+    },
 }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the transfer section's pool lives (cuda: every other use of "
+        "CUDA is behind this flag)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="dry run: fewest reps and samples, short prompts (minutes on 2 cores)",
+    )
+    p.add_argument(
+        "--transfer-pages",
+        default="",
+        help="request sizes in pages for the transfer section (default: 47,256 on "
+        "cuda; 47 on cpu, where 256 pages cost minutes and ~12 GB of memory)",
+    )
+    p.add_argument("--itl-rounds", type=int, default=8, help="decode_itl rounds")
+    p.add_argument("--itl-output-len", type=int, default=96)
+    p.add_argument("--itl-concurrency", type=int, default=2)
+    p.add_argument(
+        "--itl-every-tokens",
+        type=int,
+        default=16,
+        help="decode_itl: one background prompt per this many decoded tokens",
+    )
+    p.add_argument(
+        "--itl-stats-wait-s",
+        type=float,
+        default=40.0,
+        help="after the decode_itl rounds, wait up to this long for a KVCR_STATS "
+        "line (logged every 30 s) to count what was offloaded",
+    )
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--heads", type=int, default=8, help="KV heads")
     p.add_argument("--head-dim", type=int, default=128)
@@ -150,14 +227,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--skip",
-        default="",
-        help="comma-separated sections to skip: serving,copy,prepare,hint,hooks",
+        default=None,
+        help="comma-separated sections to skip: "
+        + ",".join(SECTION_NAMES)
+        + f" (default: {DEFAULT_SKIP['cuda']!r} on cuda, none on cpu)",
     )
     p.add_argument("--report", default="", help="report path (default under .cache)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    sections = {"serving", "copy", "prepare", "hint", "hooks"}
+    if args.quick:
+        apply_quick(args, p)
+    sections = set(SECTION_NAMES)
+    if args.skip is None:
+        args.skip = DEFAULT_SKIP[args.device]
     args.skip = {s for s in args.skip.split(",") if s}
+    try:
+        args.transfer_pages = [
+            int(x)
+            for x in (args.transfer_pages or DEFAULT_TRANSFER[args.device]).split(",")
+            if x
+        ]
+    except ValueError:
+        p.error("--transfer-pages: comma-separated page counts")
+    if not args.transfer_pages or min(args.transfer_pages) < 1:
+        p.error("--transfer-pages: page counts must be >= 1")
+    if args.device == "cuda" and not cuda_available():
+        p.error("--device cuda: torch.cuda.is_available() is False")
+    if args.itl_rounds < 1 or args.itl_output_len < 8 or args.itl_concurrency < 1:
+        p.error("--itl-rounds >= 1, --itl-output-len >= 8, --itl-concurrency >= 1")
+    if args.itl_every_tokens < 1:
+        p.error("--itl-every-tokens must be >= 1")
     if args.skip - sections:
         p.error(
             f"--skip: unknown {sorted(args.skip - sections)}; of {sorted(sections)}"
@@ -180,6 +279,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.ttft_prompt_len < 2 * args.ttft_page_size:
         p.error("--ttft-prompt-len must cover two pages of --ttft-page-size")
     return args
+
+
+# Values --quick uses unless the option was given explicitly.
+QUICK = {
+    "samples": 200,
+    "copy_reps": 3,
+    "ttft_prompts": 5,
+    "ttft_prompt_len": 256,
+    "ttft_warmup": 1,
+    "quiet_wait_s": 3.0,
+    "itl_rounds": 2,
+    "itl_output_len": 64,
+    "transfer_pages": "47",
+}
+
+
+def apply_quick(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    for name, value in QUICK.items():
+        if getattr(args, name) == p.get_default(name):
+            setattr(args, name, value)
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 # ---- small helpers ---------------------------------------------------------------
@@ -285,11 +410,12 @@ def metric(
     *,
     ratio: float | None = None,
     error: str | None = None,
+    informational: bool = False,
     **extra: Any,
 ) -> dict[str, Any]:
     if ratio is None and value is not None and baseline:
         ratio = value / baseline
-    target = TARGETS[name]
+    target = None if informational else TARGETS.get(name)
     m: dict[str, Any] = {
         "name": name,
         "value": None if value is None else round(value, 4),
@@ -324,7 +450,7 @@ class Geometry:
         return 2 * self.layers * self.part_bytes
 
 
-def make_pool(geo: Geometry, pages: int) -> Any:
+def make_pool(geo: Geometry, pages: int, device: str = "cpu") -> Any:
     import torch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
@@ -335,9 +461,34 @@ def make_pool(geo: Geometry, pages: int) -> Any:
         geo.heads,
         geo.head_dim,
         geo.layers,
-        device="cpu",
+        device=device,
         enable_memory_saver=False,
     )
+
+
+def sync(device: str) -> None:
+    """Wait for the device's queued work; CPU copies are synchronous (no-op)."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def host_bytes(nbytes: int, device: str) -> Any:
+    """Host memory a device copies from or into: pinned when the device is CUDA."""
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
+
+
+def release_device_memory(device: str) -> None:
+    """Free what the last case left (settle() froze it out of the collector)."""
+    gc.unfreeze()
+    gc.collect()
+    if device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def make_linker(pool: Any, geo: Geometry, kvcr_pages: int, **overrides: Any) -> Any:
@@ -356,7 +507,14 @@ def make_linker(pool: Any, geo: Geometry, kvcr_pages: int, **overrides: Any) -> 
     return kvcr_stack.bare_linker(pool, geo.page, config, model="bench-geometry")
 
 
-def kv_transfer(geo: Geometry, hashes: list[str], pages: list[int] | None = None):
+def kv_transfer(
+    geo: Geometry,
+    hashes: list[str],
+    pages: list[int] | None = None,
+    device: str = "cpu",
+):
+    """The KV ``PoolTransfer``; its device indices on ``device``, as SGLang passes
+    them (CUDA tensors on a GPU pool)."""
     import torch
     from sglang.srt.mem_cache.hicache_storage import (
         PoolHitPolicy,
@@ -367,7 +525,7 @@ def kv_transfer(geo: Geometry, hashes: list[str], pages: list[int] | None = None
     indices = None
     if pages is not None:
         tokens = torch.arange(geo.page, dtype=torch.int64)
-        indices = torch.cat([p * geo.page + tokens for p in pages])
+        indices = torch.cat([p * geo.page + tokens for p in pages]).to(device)
     return [
         PoolTransfer(
             name=PoolName.KV,
@@ -398,31 +556,32 @@ def fill_random(pool: Any, geo: Geometry, pages: list[int], seed: int) -> None:
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    index = torch.tensor(pages, dtype=torch.long)
     for rows in page_rows(pool, geo):
-        rows.index_copy_(
-            0,
-            index,
-            torch.randint(
-                0, 256, (len(pages), geo.part_bytes), dtype=torch.uint8, generator=gen
-            ),
+        index = torch.tensor(pages, dtype=torch.long, device=rows.device)
+        data = torch.randint(
+            0, 256, (len(pages), geo.part_bytes), dtype=torch.uint8, generator=gen
         )
+        rows.index_copy_(0, index, data.to(rows.device))
 
 
 def pages_equal(pool: Any, geo: Geometry, a: list[int], b: list[int]) -> bool:
     import torch
 
-    ia = torch.tensor(a, dtype=torch.long)
-    ib = torch.tensor(b, dtype=torch.long)
     return all(
-        torch.equal(rows.index_select(0, ia), rows.index_select(0, ib))
+        torch.equal(
+            rows.index_select(0, torch.tensor(a, device=rows.device)),
+            rows.index_select(0, torch.tensor(b, device=rows.device)),
+        )
         for rows in page_rows(pool, geo)
     )
 
 
-def offload_once(linker: Any, geo: Geometry, hashes: list[str], pages: list[int]):
-    """Seconds from ``offload`` to its completed result (must succeed)."""
-    transfers = kv_transfer(geo, hashes, pages)
+def offload_once(
+    linker: Any, geo: Geometry, hashes: list[str], pages: list[int], device: str = "cpu"
+):
+    """Seconds from ``offload`` to its completed FIFO result (must succeed)."""
+    transfers = kv_transfer(geo, hashes, pages, device)
+    sync(device)
     t0 = time.perf_counter()
     linker.offload(transfers)
     wait_until(lambda: linker.num_completed_offloads() >= 1, "offload completion")
@@ -625,6 +784,151 @@ def bench_copy_and_prepare(
             bench_prepare(args, linker, geo, hashes, rng, out, metrics)
     finally:
         linker.close()
+
+
+# ---- (f) restore / offload against plain host<->device copies (cpu or cuda) -----
+
+
+def copy_once(dst: Any, src: Any, device: str) -> float:
+    """Seconds of one ``copy_`` (non-blocking on CUDA, waited for)."""
+    sync(device)
+    t0 = time.perf_counter()
+    dst.copy_(src, non_blocking=True)
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def restore_once(
+    linker: Any,
+    geo: Geometry,
+    rid: str,
+    hashes: list[str],
+    dest: list[int],
+    device: str,
+) -> float:
+    """Seconds from ``load`` until the restore finished and the device is idle
+    (prepare and lookup run first, untimed: they happen at enqueue)."""
+    _, _, hit, _ = prepare_and_lookup(linker, rid, kv_transfer(geo, hashes))
+    if hit != len(hashes):
+        raise RuntimeError(f"restore lookup hit {hit} of {len(hashes)} pages")
+    transfers = kv_transfer(geo, hashes, dest, device)
+    sync(device)
+    t0 = time.perf_counter()
+    linker.load(rid, transfers)
+    index = linker.start_layer_wise_loading()
+    ok = linker.finish_layer_wise_loading(index)
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    linker.finish_request(rid)
+    if not ok:
+        raise RuntimeError(f"restore failed: {linker.stats_line()}")
+    return elapsed
+
+
+def zero_pages(pool: Any, geo: Geometry, pages: list[int]) -> None:
+    import torch
+
+    for rows in page_rows(pool, geo):
+        rows.index_fill_(0, torch.tensor(pages, device=rows.device), 0)
+
+
+def transfer_case(
+    args: argparse.Namespace, geo: Geometry, n: int, rng: random.Random
+) -> dict[str, list[float]]:
+    """Seconds per rep of: the staged offload of ``n`` scattered pool pages until
+    its FIFO result; a device-to-host copy of the same bytes into (pinned) host
+    memory; the restore of those pages from claimed KVCR DRAM into ``n`` other
+    scattered pool pages; a host-to-device copy from a (pinned) host tensor.
+    Interleaved rep by rep; rep 0 warms up and checks the restore byte for byte."""
+    import torch
+
+    device = args.device
+    nbytes = n * geo.page_bytes
+    order = rng.sample(range(1, 1 + 2 * n), 2 * n)
+    src_pages, dst_pages = order[:n], order[n:]
+    pool = make_pool(geo, 1 + 2 * n, device)
+    fill_random(pool, geo, src_pages, seed=7)
+    linker = make_linker(
+        pool,
+        geo,
+        kvcr_pages=n + max(8, n // 4),
+        offload_path="staged",
+        max_inflight_offload_bytes=nbytes + geo.page_bytes,
+    )
+    host = host_bytes(nbytes, device)
+    host.random_(0, 256)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times: dict[str, list[float]] = {"offload": [], "d2h": [], "restore": [], "h2d": []}
+    try:
+        settle()
+        for rep in range(args.copy_reps + 1):
+            hashes = random_hashes(rng, n)
+            got = {"offload": offload_once(linker, geo, hashes, src_pages, device)}
+            got["d2h"] = copy_once(host, dev, device)
+            if rep == 0:
+                zero_pages(pool, geo, dst_pages)
+            got["restore"] = restore_once(
+                linker, geo, f"t{n}-{rep}", hashes, dst_pages, device
+            )
+            if rep == 0 and not pages_equal(pool, geo, src_pages, dst_pages):
+                raise RuntimeError(f"{n}-page restore was not byte-exact")
+            got["h2d"] = copy_once(dev, host, device)
+            if rep:
+                for k, v in got.items():
+                    times[k].append(v)
+    finally:
+        linker.close()
+        del linker, pool, host, dev
+        release_device_memory(device)
+    return times
+
+
+def bench_transfer(
+    args: argparse.Namespace, out: dict[str, Any], metrics: list[dict[str, Any]]
+) -> None:
+    """Restore and staged offload GB/s against plain copies, per request size."""
+    geo = Geometry(args.layers, args.heads, args.head_dim, args.page_size)
+    rng = random.Random(args.seed + 5)
+    on_cuda = args.device == "cuda"
+    details: dict[str, Any] = {
+        "device": args.device,
+        "geometry": vars(geo),
+        "method": "restore: load -> finish_layer_wise_loading (+ device sync) into "
+        "scattered pool pages, vs host->device copy_ of the same bytes; offload: "
+        "offload_path staged, offload() -> its FIFO result, vs device->host copy_; "
+        + (
+            "host tensors pinned, copies non_blocking, torch.cuda.synchronize()"
+            if on_cuda
+            else "cpu: host-to-host copies, informational (targets apply on cuda)"
+        ),
+    }
+    out["transfer"] = details
+    for n in args.transfer_pages:
+        t0 = time.monotonic()
+        times = transfer_case(args, geo, n, rng)
+        nbytes = n * geo.page_bytes
+        rates = {k: [round(gbps(nbytes, x), 3) for x in v] for k, v in times.items()}
+        details[f"{n}p"] = {
+            "request_bytes": nbytes,
+            "gbps": rates,
+            "seconds": round(time.monotonic() - t0, 1),
+        }
+        med = {k: statistics.median(v) for k, v in rates.items()}
+        for name, value, base in (
+            (f"restore_vs_pinned_h2d_{n}p", med["restore"], med["h2d"]),
+            (f"offload_vs_pinned_d2h_{n}p", med["offload"], med["d2h"]),
+        ):
+            metrics.append(
+                metric(
+                    name,
+                    value,
+                    "GB/s",
+                    base,
+                    informational=not on_cuda,
+                    samples=len(rates["restore"]),
+                    device=args.device,
+                )
+            )
 
 
 class _CountingAdapter:
@@ -997,6 +1301,140 @@ class CpuMeter:
         return max(0.0, ((b[1] - a[1]) - (b[2] - a[2])) / total)
 
 
+def _stamp(t: float) -> str:
+    """``t`` as SGLang's log lines stamp it (local time, whole seconds)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def stats_after(
+    server: harness.ServerHandle, since: float, timeout_s: float
+) -> tuple[str, str] | None:
+    """The first KVCR_STATS line stamped at or after ``since`` (logged every 30 s
+    from the scheduler's pump; the server is kept stepping with requests shorter
+    than a page, which offload nothing), or None at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        later = [
+            x
+            for x in decode_itl.stamped_stats(server.log_text())
+            if x[0] >= _stamp(since)
+        ]
+        if later or time.monotonic() >= deadline:
+            return later[0] if later else None
+        server.generate(input_ids=[5, 6, 7], max_new_tokens=1, timeout=30.0)
+        time.sleep(0.5)
+
+
+def bench_decode_itl(
+    args: argparse.Namespace,
+    servers: dict[str, harness.ServerHandle],
+    details: dict[str, Any],
+    metrics: list[dict[str, Any]],
+) -> None:
+    """Foreground decode ITL of one streaming request while paced unique prompts
+    make the kvcr server write pages through, kvcr against none, rounds in
+    alternating order (one server running at a time)."""
+    page = args.ttft_page_size
+    vocab = 300
+    fg = decode_itl.prompt_maker(args.seed + 40, 48, vocab)
+    runs = {name: servers[name] for name in ("none", "kvcr")}
+    itl: dict[str, Any] = {
+        "method": decode_itl.__doc__,
+        "background_prompt_len": args.ttft_prompt_len,
+        "background_pages_per_prompt": kvcr_bench.page_aligned(
+            args.ttft_prompt_len, page
+        )
+        // page,
+        "every_tokens": args.itl_every_tokens,
+        "output_len": args.itl_output_len,
+        "concurrency": args.itl_concurrency,
+    }
+    details["decode_itl"] = itl
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
+    started = time.time()
+    for i in range(1 + args.itl_rounds):  # round 0 warms both up
+        ids = fg()
+        order = list(runs) if i % 2 == 0 else list(runs)[::-1]
+        for name in order:
+            with kvcr_bench.running(runs[name]):
+                r = decode_itl.itl_round(
+                    runs[name].base_url,
+                    ids,
+                    decode_itl.prompt_maker(
+                        args.seed + 100 + i, args.ttft_prompt_len, vocab
+                    ),
+                    concurrency=args.itl_concurrency,
+                    every_tokens=args.itl_every_tokens,
+                    output_len=args.itl_output_len if i else 8,
+                    timeout=120.0,
+                )
+            if i:
+                rounds[name].append(r)
+    ended = time.time()
+    with kvcr_bench.running(runs["kvcr"]):
+        before = [
+            x
+            for x in decode_itl.stamped_stats(runs["kvcr"].log_text())
+            if x[0] < _stamp(started)
+        ]
+        after = stats_after(runs["kvcr"], ended + 1.0, args.itl_stats_wait_s)
+    offloaded = None
+    if after is not None:
+        first = kvcr_bench.parse_stats(before[-1][1]) if before else {}
+        last = kvcr_bench.parse_stats(after[1])
+        offloaded = {
+            k: int(last.get(k, 0) - first.get(k, 0))
+            for k in (
+                "offloads",
+                "offload_pages",
+                "offloaded_bytes",
+                "offload_failures",
+            )
+        }
+    summary = {name: decode_itl.itl_summary(r) for name, r in rounds.items()}
+    itl.update(
+        rounds=rounds,
+        summary=summary,
+        kvcr_stats_before=before[-1] if before else None,
+        kvcr_stats_after=after,
+        kvcr_offloaded_during_phase=offloaded,
+        offload_note="KVCR_STATS deltas from the last line before the phase (or "
+        "startup) to the first line after it; the servers only run during their "
+        "rounds (SIGSTOP otherwise), so these offloads happened in rounds",
+    )
+    error = None
+    done_in_window = [r["background_done_in_window"] for r in rounds["kvcr"]]
+    if offloaded is not None and offloaded["offloaded_bytes"] <= 0:
+        error = "the kvcr server offloaded nothing during the decode rounds"
+    elif 4 * sum(n > 0 for n in done_in_window) < 3 * len(done_in_window):
+        error = (
+            "under 3/4 of the kvcr rounds had a background prefill finish inside "
+            "their decode window"
+        )
+    common = {
+        "samples": summary["kvcr"]["n"],
+        "rounds": args.itl_rounds,
+        "background_done_in_window": done_in_window,
+        "offloaded_bytes_during_phase": None
+        if offloaded is None
+        else offloaded["offloaded_bytes"],
+        "offload_failures_during_phase": None
+        if offloaded is None
+        else offloaded["offload_failures"],
+    }
+    metrics.extend(
+        metric(
+            f"decode_itl_{q}_ratio",
+            summary["kvcr"][q],
+            "ms",
+            summary["none"][q],
+            error=error,
+            **common,
+        )
+        for q in ("p50", "p99")
+    )
+
+
 def bench_serving(
     args: argparse.Namespace, out: dict[str, Any], metrics: list[dict[str, Any]]
 ) -> None:
@@ -1042,7 +1480,11 @@ def bench_serving(
     # the Rust one. ``none_pytree`` separates that choice from the linker itself.
     variants = [
         ("none", [], None),
-        ("none_pytree", [], {integration.TREE_CORE_ENV: "python"}),
+        *(
+            []  # --quick: one server fewer to start on a small machine
+            if args.quick
+            else [("none_pytree", [], {integration.TREE_CORE_ENV: "python"})]
+        ),
         ("kvcr", linker_args, None),
         *EXTRA_SERVING_VARIANTS,
     ]
@@ -1061,6 +1503,18 @@ def bench_serving(
         for handle in servers.values():
             handle.wait_ready(args.startup_timeout)
             kvcr_bench.pause(handle)
+        try:
+            bench_decode_itl(args, servers, details, metrics)
+        except Exception as exc:
+            traceback.print_exc()
+            error = f"{type(exc).__name__}: {exc}"[:2000]
+            metrics += [
+                metric(n, None, "ms", error=error)
+                for n in ("decode_itl_p50_ratio", "decode_itl_p99_ratio")
+                if n not in {m["name"] for m in metrics}
+            ]
+            for handle in servers.values():
+                kvcr_bench.pause(handle)
         meter = CpuMeter({h.pgid for h in servers.values()})
         names = list(servers)
         quiet = 0
@@ -1114,11 +1568,12 @@ def bench_serving(
     med = {n: statistics.median(v) for n, v in ttft.items()}
     details["median_ttft_ms"] = {n: round(v, 3) for n, v in med.items()}
     details["p25_ttft_ms"] = {n: round(pct(v, 0.25), 3) for n, v in ttft.items()}
-    details["ratio_python_tree_core_vs_none"] = round(
-        med["none_pytree"] / med["none"], 3
+    pytree = med.get("none_pytree")
+    details["ratio_python_tree_core_vs_none"] = (
+        round(pytree / med["none"], 3) if pytree else None
     )
-    details["ratio_kvcr_vs_python_tree_core"] = round(
-        med["kvcr"] / med["none_pytree"], 3
+    details["ratio_kvcr_vs_python_tree_core"] = (
+        round(med["kvcr"] / pytree, 3) if pytree else None
     )
     metrics.append(
         metric(
@@ -1140,7 +1595,11 @@ def bench_serving(
 # ---- driver ------------------------------------------------------------------------
 
 SECTIONS: tuple[tuple[str, Callable[..., None], tuple[str, ...]], ...] = (
-    ("serving", bench_serving, ("zero_hit_ttft_ratio",)),
+    (
+        "serving",
+        bench_serving,
+        ("decode_itl_p50_ratio", "decode_itl_p99_ratio", "zero_hit_ttft_ratio"),
+    ),
     (
         "copy",
         bench_copy_and_prepare,
@@ -1154,6 +1613,7 @@ SECTIONS: tuple[tuple[str, Callable[..., None], tuple[str, ...]], ...] = (
     ),
     ("hint", bench_hint, ("hint_prepare_us_p50",)),
     ("hooks", bench_hooks, ("linker_idle_cpu_pct", "hook_overhead_us_p50")),
+    ("transfer", bench_transfer, ()),  # names per --transfer-pages, see main
 )
 PREPARE_METRICS = (
     "zero_hit_prepare_us_p50",
@@ -1166,7 +1626,19 @@ UNITS = {
     "offload_vs_nixl_loopback": "GB/s",
     "zero_hit_owner_commands": "count",
     "linker_idle_cpu_pct": "% core",
+    "decode_itl_p50_ratio": "ms",
+    "decode_itl_p99_ratio": "ms",
 }
+
+
+def section_metrics(section: str, names: tuple[str, ...], args: argparse.Namespace):
+    if section != "transfer":
+        return names
+    return tuple(
+        f"{kind}_{n}p"
+        for n in args.transfer_pages
+        for kind in ("restore_vs_pinned_h2d", "offload_vs_pinned_d2h")
+    )
 
 
 def versions() -> dict[str, str]:
@@ -1203,8 +1675,14 @@ def main(argv: list[str] | None = None) -> int:
             done = {m["name"] for m in metrics}
             skipped = PREPARE_METRICS if "prepare" in args.skip else ()
             metrics += [
-                metric(n, None, UNITS.get(n, "us"), error=error)
-                for n in names
+                metric(
+                    n,
+                    None,
+                    "GB/s" if section == "transfer" else UNITS.get(n, "us"),
+                    error=error,
+                    informational=section == "transfer" and args.device != "cuda",
+                )
+                for n in section_metrics(section, names, args)
                 if n not in done and n not in skipped
             ]
         print(f"[bench] {section} done in {time.monotonic() - t0:.1f} s", flush=True)
@@ -1247,12 +1725,33 @@ def main(argv: list[str] | None = None) -> int:
         )
     serving = details.get("serving", {})
     if "median_ttft_ms" in serving:
+        split = (
+            f" (python tree core alone: {serving['ratio_python_tree_core_vs_none']}x;"
+            f" linker over it: {serving['ratio_kvcr_vs_python_tree_core']}x)"
+            if serving["ratio_python_tree_core_vs_none"] is not None
+            else ""
+        )
         print(
             "serving median TTFT ms: "
             + ", ".join(f"{k}={v:.1f}" for k, v in serving["median_ttft_ms"].items())
-            + f" (python tree core alone: {serving['ratio_python_tree_core_vs_none']}x;"
-            f" linker over it: {serving['ratio_kvcr_vs_python_tree_core']}x)"
+            + split
         )
+    itl = serving.get("decode_itl", {}).get("summary")
+    if itl:
+        moved = serving["decode_itl"]["kvcr_offloaded_during_phase"]
+        print(
+            "decode ITL ms (p50/p99): "
+            + ", ".join(f"{k}={v['p50']}/{v['p99']}" for k, v in itl.items())
+            + f"; kvcr offloaded during the rounds: {moved}"
+        )
+    for key, case in details.get("transfer", {}).items():
+        if key.endswith("p") and isinstance(case, dict):
+            med = {k: statistics.median(v) for k, v in case["gbps"].items()}
+            print(
+                f"transfer {key} ({args.device}) median GB/s: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in med.items())
+                + f" ({case['seconds']} s)"
+            )
     copy = details.get("copy", {})
     if "restore_scattered_gbps" in copy:
         print(

@@ -45,6 +45,8 @@ def fake_python(tmp_path: Path) -> Path:
     fake.write_text(
         "#!/bin/sh\n"
         'echo "fake-python $* --device --quick"\n'
+        # Like an SGLang server: its own session, outliving the stage's process group.
+        'if [ -n "${FAKE_DETACH:-}" ]; then setsid sleep 300 & echo $! >> "$FAKE_DETACH"; fi\n'
         'sleep "${FAKE_SLEEP:-0}"\n'
         'exit "${FAKE_RC:-0}"\n'
     )
@@ -90,7 +92,9 @@ def test_report_dir_follows_out_then_flag(tmp_path: Path) -> None:
     proc = run("--dry-run", "--list-stages", env={"OUT": str(out)})
     assert plan(proc.stdout)["report dir"] == str(out / "gpu_check")
     mine = tmp_path / "mine"
-    proc = run("--dry-run", "--list-stages", "--report-dir", str(mine), env={"OUT": str(out)})
+    proc = run(
+        "--dry-run", "--list-stages", "--report-dir", str(mine), env={"OUT": str(out)}
+    )
     assert plan(proc.stdout)["report dir"] == str(mine)
 
 
@@ -100,18 +104,28 @@ def test_gpu_plan_fits_the_budget(tmp_path: Path) -> None:
     info = plan(proc.stdout)
     assert info["mode"] == "gpu" and info["python"] == "python3"
     assert "step install timeout" in proc.stdout
-    total = sum(int(ln.split()[-1].rstrip("s")) for ln in stage_lines(proc.stdout) if "timeout" in ln)
+    total = sum(
+        int(ln.split()[-1].rstrip("s"))
+        for ln in stage_lines(proc.stdout)
+        if "timeout" in ln
+    )
     assert total <= 480, proc.stdout
     assert f"total stage timeout {total}s" in proc.stdout
 
 
 def test_stage_subset_keeps_order_and_timeout_override() -> None:
     proc = run(
-        "--dry-run", "--list-stages", "--stages", "bench,env",
+        "--dry-run",
+        "--list-stages",
+        "--stages",
+        "bench,env",
         env={"GPU_CHECK_TIMEOUT_BENCH": "7"},
     )
     assert proc.returncode == 0, proc.stderr
-    assert stage_lines(proc.stdout) == ["stage env timeout 120s", "stage bench timeout 7s"]
+    assert stage_lines(proc.stdout) == [
+        "stage env timeout 120s",
+        "stage bench timeout 7s",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -130,8 +144,14 @@ def test_stage_subset_keeps_order_and_timeout_override() -> None:
 )
 def test_bad_usage_exits_2(args: list[str], tmp_path: Path) -> None:
     # Should a usage error slip through, the run it starts stays short and local.
-    short = {f"GPU_CHECK_TIMEOUT_{s}": "3" for s in ("INSTALL", "ENV", "GPU_TESTS", "MICROBENCH", "BENCH")}
-    proc = run(*args, env={"OUT": str(tmp_path), "GPU_CHECK_SITE": str(tmp_path / "site"), **short})
+    short = {
+        f"GPU_CHECK_TIMEOUT_{s}": "3"
+        for s in ("INSTALL", "ENV", "GPU_TESTS", "MICROBENCH", "BENCH")
+    }
+    proc = run(
+        *args,
+        env={"OUT": str(tmp_path), "GPU_CHECK_SITE": str(tmp_path / "site"), **short},
+    )
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert "gpu_check:" in proc.stderr
 
@@ -151,12 +171,17 @@ def test_every_stage_runs_and_reports(tmp_path: Path, fake_python: Path) -> None
         assert f"STAGE {stage} PASS" in summary
         assert (reports / f"{stage}.log").is_file()
     assert "GPU_CHECK PASS" in summary
+    assert "/proc/" not in proc.stdout + proc.stderr  # the leftover sweep stays quiet
 
 
 def test_failures_continue_and_exit_nonzero(tmp_path: Path, fake_python: Path) -> None:
     reports = tmp_path / "reports"
     proc = run(
-        "--dry-run", "--python", str(fake_python), "--report-dir", str(reports),
+        "--dry-run",
+        "--python",
+        str(fake_python),
+        "--report-dir",
+        str(reports),
         env={"FAKE_RC": "5"},
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -168,14 +193,22 @@ def test_failures_continue_and_exit_nonzero(tmp_path: Path, fake_python: Path) -
     assert "GPU_CHECK FAIL: env microbench bench" in proc.stdout
 
 
-def test_gpu_mode_install_and_no_gpu_tests_fail(tmp_path: Path, fake_python: Path) -> None:
+def test_gpu_mode_install_and_no_gpu_tests_fail(
+    tmp_path: Path, fake_python: Path
+) -> None:
     wheelhouse = tmp_path / "wh"
     wheelhouse.mkdir()
     (wheelhouse / "x-1.0-py3-none-any.whl").write_bytes(b"")
     (wheelhouse / "torch-2.11.0-cp312-cp312-linux_x86_64.whl").write_bytes(b"")
     proc = run(
-        "--wheelhouse", str(wheelhouse), "--python", str(fake_python),
-        "--report-dir", str(tmp_path / "r"), "--stages", "env,gpu-tests",
+        "--wheelhouse",
+        str(wheelhouse),
+        "--python",
+        str(fake_python),
+        "--report-dir",
+        str(tmp_path / "r"),
+        "--stages",
+        "env,gpu-tests",
         env={"FAKE_RC": "5", "GPU_CHECK_SITE": str(tmp_path / "site")},
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -188,11 +221,38 @@ def test_gpu_mode_install_and_no_gpu_tests_fail(tmp_path: Path, fake_python: Pat
 
 def test_stage_timeout_is_enforced(tmp_path: Path, fake_python: Path) -> None:
     proc = run(
-        "--dry-run", "--python", str(fake_python), "--report-dir", str(tmp_path),
-        "--stages", "env",
+        "--dry-run",
+        "--python",
+        str(fake_python),
+        "--report-dir",
+        str(tmp_path),
+        "--stages",
+        "env",
         env={"FAKE_SLEEP": "30", "GPU_CHECK_TIMEOUT_ENV": "1"},
         timeout=25,
     )
     assert proc.returncode == 1
-    assert "STAGE env FAIL rc=124" in proc.stdout and "timed out after 1s" in proc.stdout
+    assert (
+        "STAGE env FAIL rc=124" in proc.stdout and "timed out after 1s" in proc.stdout
+    )
 
+
+def test_leftover_processes_are_ended(tmp_path: Path, fake_python: Path) -> None:
+    pids = tmp_path / "pids"
+    proc = run(
+        "--dry-run",
+        "--python",
+        str(fake_python),
+        "--report-dir",
+        str(tmp_path / "r"),
+        "--stages",
+        "gpu-tests",
+        env={"FAKE_DETACH": str(pids)},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "leftover process(es)" in proc.stdout
+    for pid in pids.read_text().split():
+        assert (
+            not Path(f"/proc/{pid}").exists()
+            or "zombie" in Path(f"/proc/{pid}/status").read_text()
+        ), f"pid {pid} survived the stage"
