@@ -37,6 +37,7 @@ import time  # noqa: E402
 
 import pytest  # noqa: E402
 
+
 def pytest_collection_modifyitems(config, items):
     """Deselect (never skip) ``gpu`` tests where torch sees no CUDA device, so a
     CPU run reports no skips; ``gpu_check.sh`` runs them on a GPU host."""

@@ -36,8 +36,8 @@
 #   gpu-tests   python -m pytest -m gpu test/registered/unit/mem_cache (no CUDA: the
 #               tests are deselected, pytest exits 5, expected only in --dry-run)
 #   microbench  kvcr_microbench.py --device cuda (dry run: --device cpu --quick)
-#   bench       kvcr_bench.py --device cuda, configs none vs kvcr, workloads zero_hit
-#               and evict_replay, a Qwen3-0.6B-geometry model served with
+#   bench       kvcr_bench.py --device cuda, configs none vs kvcr, workloads zero_hit,
+#               evict_replay and decode_itl, a Qwen3-0.6B-geometry model served with
 #               --load-format dummy, page 64, 3000-token prompts, 1 output token.
 # Serving without the stock kernels (the wheelhouse's sgl_kernel has no .so):
 # SGLANG_KVCR_PY_ONLY_SGL_KERNEL=1 (test/cpu_harness/gpu_pythonpath/sitecustomize.py
@@ -144,7 +144,7 @@ stage_microbench() {
   local report rc=0
   if [ "$MODE" = gpu ]; then
     report=$REPORTS/kvcr_microbench_cuda.json
-    args=(--device cuda --report "$report")
+    args=(--device cuda --quiet-wait-s 5 --report "$report")
   else
     report=$REPORTS/kvcr_microbench_cpu.json
     args=(--device cpu --quick --report "$report")
@@ -179,6 +179,7 @@ stage_bench() {
     server_args="--load-format dummy --attention-backend ${GPU_CHECK_ATTENTION_BACKEND:-triton} --sampling-backend pytorch $no_graphs --mem-fraction-static 0.5"
     args=(--device cuda --model-path "$model" --page-size 64 --prompt-len 3000 --output-len 1
       --max-total-tokens 7000 --reps 2 --zero-hit-per-rep 2 --warmup 1
+      --itl-rounds 4 --itl-output-len 96
       --startup-timeout 100 --request-timeout 60 --stats-wait-s 35
       --report "$REPORTS/kvcr_bench_cuda.json")
   else
@@ -188,13 +189,15 @@ stage_bench() {
       --kv-heads 2 --head-dim 16 --intermediate 128 --max-positions 8192
     server_args="--load-format dummy --sampling-backend pytorch $no_graphs"
     args=(--device cpu --model-path "$model" --page-size 16 --prompt-len 256 --output-len 1
-      --reps 1 --zero-hit-per-rep 2 --warmup 1 --startup-timeout 150
+      --reps 1 --zero-hit-per-rep 2 --warmup 1 --itl-rounds 2 --itl-output-len 64
+      --startup-timeout 150
       --request-timeout 60 --stats-wait-s 35 --report "$REPORTS/kvcr_bench_cpu.json")
   fi
   server_args+=${GPU_CHECK_SERVER_ARGS:+ $GPU_CHECK_SERVER_ARGS}
   # shellcheck disable=SC2086
   "$PY" "$MANUAL/kvcr_bench.py" "${args[@]}" --configs none,kvcr \
-    --workloads zero_hit,evict_replay --server-args "$server_args" ${GPU_CHECK_BENCH_ARGS:-}
+    --workloads zero_hit,evict_replay,decode_itl --server-args "$server_args" \
+    ${GPU_CHECK_BENCH_ARGS:-}
 }
 
 # Everything below runs from main(), parsed whole before it starts: editing this file

@@ -2,120 +2,37 @@
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
-from cpu_harness import kvcr_stack
+from cpu_harness import kvcr_pages as pages
+from cpu_harness.kvcr_pages import (
+    LAYERS,
+    PAGE,
+    hashes_for,
+    kv_transfer,
+    make_linker,
+    make_pool,
+    offload_and_commit,
+    page_bytes,
+    restore,
+    wait_until,
+)
+from cpu_harness.kvcr_pages import fill_random as fill_pages
 from sglang.srt.mem_cache.storage.kvcr.errors import KVCRConfigError
 from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
 
 pytestmark = pytest.mark.kvcr
 
-PAGE = 4
-LAYERS = 2
-HEADS = 2
-DIM = 8
-POOL_TOKENS = 64 * PAGE
-
-
-def make_pool():
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
-    return MHATokenToKVPool(
-        POOL_TOKENS,
-        PAGE,
-        torch.bfloat16,
-        HEADS,
-        DIM,
-        LAYERS,
-        device="cpu",
-        enable_memory_saver=False,
-    )
-
-
-def make_linker(pool, draft_pools=(), **overrides):
-    config = {
-        "local_dram_bytes_per_worker": 64 * LAYERS * 2 * PAGE * HEADS * DIM * 2,
-        "operation_timeout_ms": 5000,  # generous: 2 loaded cores
-        "abandon_timeout_ms": 10000,
-        "preparation_timeout_ms": 2000,
-        **overrides,
-    }
-    return kvcr_stack.bare_linker(
-        pool,
-        PAGE,
-        config,
-        draft="tiny-draft" if draft_pools else None,
-        sidecar_draft_device_pools=tuple(draft_pools),
-    )
+HEADS, DIM = pages.HEADS, pages.DIM
 
 
 def page_hashes(n, salt="a"):
-    return [hashlib.sha256(f"{salt}{i}".encode()).hexdigest() for i in range(n)]
-
-
-def kv_transfer(hashes, pages=None):
-    indices = None
-    if pages is not None:
-        indices = torch.tensor(
-            [p * PAGE + t for p in pages for t in range(PAGE)], dtype=torch.int64
-        )
-    return [
-        PoolTransfer(
-            name=PoolName.KV,
-            keys=list(hashes),
-            device_indices=indices,
-            hit_policy=PoolHitPolicy.ALL_PAGES,
-        )
-    ]
-
-
-def fill_pages(pool, pages, seed):
-    gen = torch.Generator().manual_seed(seed)
-    for layer in range(LAYERS):
-        for buf in (pool.k_buffer[layer], pool.v_buffer[layer]):
-            for p in pages:
-                buf[p * PAGE : (p + 1) * PAGE] = torch.randn(
-                    PAGE, HEADS, DIM, generator=gen
-                ).to(buf.dtype)
-
-
-def page_bytes(pool, page):
-    return torch.cat(
-        [
-            buf[page * PAGE : (page + 1) * PAGE].reshape(-1).view(torch.uint8)
-            for layer in range(LAYERS)
-            for buf in (pool.k_buffer[layer], pool.v_buffer[layer])
-        ]
-    )
-
-
-def wait_until(predicate, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.002)
-    raise AssertionError(f"{what} not reached within {timeout} s")
-
-
-def offload_and_commit(linker, hashes, pages):
-    assert linker.offload(kv_transfer(hashes, pages)) is True
-    wait_until(lambda: linker.num_completed_offloads() >= 1, what="offload completion")
-    return linker.pop_completed_offload()
-
-
-def restore(linker, rid, hashes, pages):
-    assert linker.load(rid, kv_transfer(hashes, pages)) is True
-    index = linker.start_layer_wise_loading()
-    assert index >= 0
-    return linker.finish_layer_wise_loading(index)
+    return hashes_for(n, salt)
 
 
 @pytest.fixture
@@ -212,7 +129,14 @@ def test_abort_during_preparation_releases_every_claim(pool, linker):
         lambda: linker._adapter.stats().claims_released - released_before == 3,
         what="claims released in KVCR",
     )
-    # The pages are still resident: a later lookup prepares again and hits.
+    # The pages are still resident, but an unprepared lookup is a miss at once
+    # (it never waits on the scheduler thread); a new preparation hits.
+    started = time.monotonic()
+    assert linker.lookup("ab", kv_transfer(hashes)) == []
+    assert time.monotonic() - started < 0.1
+    assert linker.stats.miss_unprepared == 1 and linker.claims_held() == 0
+    handle = linker.prepare_request(LinkerRequestContext("ab"), kv_transfer(hashes))
+    wait_until(lambda: linker.preparation_ready(handle), what="preparation")
     assert linker.lookup("ab", kv_transfer(hashes)) == [1, 2, 3]
     assert linker.claims_held() == 3
     linker.finish_request("ab")

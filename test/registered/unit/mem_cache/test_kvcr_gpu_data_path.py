@@ -13,156 +13,38 @@ ordering cannot be produced without a GPU.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import threading
 import time
 
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
-from cpu_harness import kvcr_stack
+from cpu_harness.kvcr_pages import (
+    LAYERS,
+    PAGE,
+    PAGE_BYTES,
+    REPS,
+    fill_random,
+    hashes_for,
+    kv_transfer,
+    make_linker,
+    make_pool,
+    offload_and_commit,
+    page_bytes,
+    prepare,
+    restore,
+    wait_until,
+    wrong_bytes,
+)
 from sglang.srt.mem_cache.storage.kvcr import host_memory
 from sglang.srt.mem_cache.storage.kvcr import kvcr_direct_linker as linker_mod
 from sglang.srt.mem_cache.storage.kvcr.device_streams import DeviceBinding
-from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
 from sglang.srt.mem_cache.storage.kvcr.offload_staging import StageJob
 from sglang.srt.mem_cache.storage.kvcr.restore_copy import SpanRestore
 
 pytestmark = pytest.mark.kvcr
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-PAGE = 4
-LAYERS = 2
-HEADS = 2
-DIM = 8
-POOL_PAGES = 64
-PAGE_BYTES = LAYERS * 2 * PAGE * HEADS * DIM * 2  # every part of one page, bf16
-REPS = 3
-
-
-# ---- helpers -----------------------------------------------------------------
-
-
-def make_pool(device):
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
-    return MHATokenToKVPool(
-        POOL_PAGES * PAGE,
-        PAGE,
-        torch.bfloat16,
-        HEADS,
-        DIM,
-        LAYERS,
-        device=device,
-        enable_memory_saver=False,
-    )
-
-
-def make_linker(pool, forward_stream=None, **overrides):
-    config = {
-        "local_dram_bytes_per_worker": 48 * PAGE_BYTES,
-        "operation_timeout_ms": 5000,
-        "abandon_timeout_ms": 10000,
-        "preparation_timeout_ms": 2000,
-        **overrides,
-    }
-    return kvcr_stack.bare_linker(pool, PAGE, config, forward_stream=forward_stream)
-
-
-def hashes_for(n, salt):
-    return [hashlib.sha256(f"{salt}/{i}".encode()).hexdigest() for i in range(n)]
-
-
-def kv_transfer(hashes, pages=None, device="cpu", cls=None):
-    indices = None
-    if pages is not None:
-        indices = torch.tensor(
-            [p * PAGE + t for p in pages for t in range(PAGE)],
-            dtype=torch.int64,
-            device=device,
-        )
-        if cls is not None:
-            indices = indices.as_subclass(cls)
-    return [
-        PoolTransfer(
-            name=PoolName.KV,
-            keys=list(hashes),
-            device_indices=indices,
-            hit_policy=PoolHitPolicy.ALL_PAGES,
-        )
-    ]
-
-
-def buffers(pool):
-    return [
-        b
-        for layer in range(LAYERS)
-        for b in (pool.k_buffer[layer], pool.v_buffer[layer])
-    ]
-
-
-def fill_random(pool, pages, seed):
-    """Fresh random bytes (every bit pattern, NaNs included) in ``pages``."""
-    gen = torch.Generator(device=pool.device).manual_seed(seed)
-    for buf in buffers(pool):
-        raw = buf.view(torch.uint8)
-        for p in pages:
-            rows = raw[p * PAGE : (p + 1) * PAGE]
-            rows.copy_(
-                torch.randint(
-                    0,
-                    256,
-                    rows.shape,
-                    dtype=torch.uint8,
-                    generator=gen,
-                    device=pool.device,
-                )
-            )
-
-
-def page_bytes(pool, page):
-    return torch.cat(
-        [
-            b[page * PAGE : (page + 1) * PAGE].reshape(-1).view(torch.uint8)
-            for b in buffers(pool)
-        ]
-    ).cpu()
-
-
-def wait_until(predicate, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.002)
-    raise AssertionError(f"{what} not reached within {timeout} s")
-
-
-def offload_and_commit(lk, hashes, pages, device):
-    assert lk.offload(kv_transfer(hashes, pages, device)) is True
-    wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload completion")
-    return lk.pop_completed_offload()
-
-
-def prepare(lk, rid, hashes):
-    handle = lk.prepare_request(LinkerRequestContext(rid), kv_transfer(hashes))
-    wait_until(lambda: lk.preparation_ready(handle), what="preparation")
-    assert lk.lookup(rid, kv_transfer(hashes)) == list(range(1, len(hashes) + 1))
-
-
-def restore(lk, rid, hashes, pages, device):
-    assert lk.load(rid, kv_transfer(hashes, pages, device)) is True
-    index = lk.start_layer_wise_loading()
-    assert index >= 0
-    return lk.finish_layer_wise_loading(index)
-
-
-def wrong_bytes(pool, pages, originals):
-    return sum(
-        int((page_bytes(pool, p) != want).sum())
-        for p, want in zip(pages, originals, strict=True)
-    )
 
 
 # ---- round trips (CPU here, CUDA under gpu_check.sh) ---------------------------
@@ -501,7 +383,7 @@ def test_loader_binds_the_device_waits_its_fences_and_drains_first(monkeypatch, 
         kinds = rec.kinds("kvcr-loader-t")
         assert kinds[:3] == ["set_device", "stream", "wait_event"]
         assert rec.log[0][2] == torch.device("cuda", 2)
-        assert [e for e in rec.log if e[1] == "wait_event"][0][2] is fence
+        assert next(e for e in rec.log if e[1] == "wait_event")[2] is fence
         if fails:
             assert ok is False
             assert kinds[3:] == ["copy", "drain", "fail"]
@@ -704,7 +586,7 @@ def test_a_load_whose_indices_do_not_cover_its_pages_is_not_queued():
         transfer[0].device_indices = transfer[0].device_indices[: PAGE + 1]
         assert lk.load("short", transfer) is False
         assert lk.start_layer_wise_loading() == -1
-        assert not lk._restore_failed
+        assert lk.stats.restore_copy_failures == 0 and lk.stats.load_failures == 0
         short = kv_transfer(hashes_for(2, "short-o"), [1])  # 2 pages, 1 page of slots
         assert lk.offload(short) is True
         wait_until(lambda: lk.num_completed_offloads() == 1, what="short offload")

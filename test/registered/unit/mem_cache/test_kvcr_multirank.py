@@ -217,8 +217,10 @@ def _readiness_scenario(rank: int, cache: Any) -> dict[str, Any]:
     }
 
 
-def _handle_of(req: Any) -> str:
-    return f"{req.rid}#{req.cache_request_handle.attempt_id}"
+def _handle_of(req: Any) -> Any:
+    from sglang.srt.mem_cache.storage.kvcr.linker_hooks import PreparationHandle
+
+    return PreparationHandle(req.rid, req.cache_request_handle.attempt_id)
 
 
 def _fill(pool: Any, indices: Any, rank: int, seed: int) -> None:

@@ -145,7 +145,9 @@ def test_span_restore_matches_row_copies(row_bytes, source) -> None:
         slots = [tuple(range(parts * o, parts * o + parts)) for o in order]
     dest = rng.sample(range(40), pages)
     store = torch.randint(0, 256, (store_rows, row_bytes), dtype=torch.uint8)
-    dsts = [torch.randint(0, 256, (40, row_bytes), dtype=torch.uint8) for _ in range(parts)]
+    dsts = [
+        torch.randint(0, 256, (40, row_bytes), dtype=torch.uint8) for _ in range(parts)
+    ]
     expected = [_reference(d, dest, store, slots, p) for p, d in enumerate(dsts)]
     # Scratch of three pages' span: runs are chunked and the buffer reused.
     span = SpanRestore(torch.device("cpu"), scratch_bytes=3 * parts * row_bytes)

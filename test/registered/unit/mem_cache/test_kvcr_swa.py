@@ -398,6 +398,12 @@ def test_swa_tail_restores_through_the_unified_cache_bit_exact(plugin_hooks):
         req = Req(
             "swa", "", array("q", [*tokens, 1, 2]), SamplingParams(max_new_tokens=1)
         )
+        # What the enqueue hook does: prepare the tail, then wait until ready.
+        from sglang.srt.mem_cache.storage.kvcr import integration
+
+        handle = integration.wrapper_prepare_request(cache.linker, req)
+        ready = cache.linker.cache_linker.preparation_ready
+        wait_until(lambda: ready(handle), what="tail prepared")
         req.init_next_round_input(cache)
         assert req.host_hit_length == len(tokens)
         loaded = cache.init_load_back(

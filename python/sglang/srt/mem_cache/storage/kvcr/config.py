@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -101,9 +102,10 @@ class KVCRLinkerConfig:
     max_inflight_prepare_bytes: int = dataclasses.field(
         default=512 * _MIB,
         metadata=_doc(
-            "Bound on bytes being fetched for preparations; beyond it preparation "
-            "fetches are skipped and the pages recomputed (one larger fetch still "
-            "runs when nothing else is in flight)."
+            "Bound on bytes being fetched from peers for preparations (claims on "
+            "pages resident here move no bytes and are not charged); beyond it "
+            "preparation fetches are skipped and the pages recomputed (one larger "
+            "fetch still runs when nothing else is in flight)."
         ),
     )
     max_abandoned_bytes: int = dataclasses.field(
@@ -111,6 +113,16 @@ class KVCRLinkerConfig:
         metadata=_doc(
             "Bound on bytes held by operations whose requests went away; beyond it "
             "new preparations are refused until KVCR resolves them."
+        ),
+    )
+    max_quarantined_cores: int = dataclasses.field(
+        default=1,
+        metadata=_doc(
+            "How many KVCR DRAM shares a worker may quarantine (a flush whose old "
+            "KVCR could not prove quiescence, e.g. a dead peer's transfer, keeps "
+            "its DRAM locked and allocates a fresh share). Once reached, the "
+            "worker stops taking peer fetches (hints are ignored and counted) so "
+            "no later flush quarantines more. 0 stops peer fetches at the first."
         ),
     )
     owner_wait_timeout_s: float = dataclasses.field(
@@ -153,7 +165,27 @@ class KVCRLinkerConfig:
         metadata=_doc(
             "Hosts or CIDRs a kv.fetch hint may name as its source, each optionally "
             "with ':port' or ':lo-hi'. Empty means this worker's advertised host. "
-            "Hints naming any other endpoint are ignored and counted."
+            "Hints naming any other endpoint are ignored and counted. The same "
+            "hosts (ports do not apply), plus the advertised host, are the only "
+            "addresses whose control connections this worker accepts."
+        ),
+    )
+    control_curve_secret_key_file: str = dataclasses.field(
+        default="",
+        metadata=_doc(
+            "This worker's CURVE secret key file (the '.key_secret' file "
+            "zmq.auth.create_certificates writes). With "
+            "control_curve_public_keys_dir it turns on CURVE on the control "
+            "channel: peers must present a listed key, and this worker presents "
+            "its own when it dials. Empty: no CURVE."
+        ),
+    )
+    control_curve_public_keys_dir: str = dataclasses.field(
+        default="",
+        metadata=_doc(
+            "Directory of the '.key' public key files of the peers allowed to "
+            "connect; '<host>.key' is also the key a peer at <host> is dialed "
+            "with (else this worker's own). Set with control_curve_secret_key_file."
         ),
     )
 
@@ -179,6 +211,7 @@ class KVCRLinkerConfig:
         if not isinstance(self.nixl_progress_thread, bool):
             raise _error("nixl_progress_thread", "must be true or false")
         _require_int(self, "progress_idle_ms", minimum=0, maximum=1000)
+        _require_int(self, "max_quarantined_cores", minimum=0, maximum=64)
         if self.offload_path not in _OFFLOAD_PATHS:
             raise _error("offload_path", f"must be one of {list(_OFFLOAD_PATHS)}")
         if self.eviction_policy not in _EVICTION_POLICIES:
@@ -221,6 +254,7 @@ class KVCRLinkerConfig:
             raise _error("peer_endpoint_allowlist", "must be a list of strings")
         for entry in allow:
             parse_allowlist_entry(entry)
+        _check_curve_fields(self)
 
     @property
     def advertise_host(self) -> str:
@@ -333,6 +367,92 @@ def _parse_ports(entry: str, text: str) -> tuple[int, int]:
             "peer_endpoint_allowlist", f"entry {entry!r} ports must be in 1..65535"
         )
     return lo, hi
+
+
+_SECRET_FIELD = "control_curve_secret_key_file"
+_KEYS_FIELD = "control_curve_public_keys_dir"
+_MAKE_KEYS = "make keys with zmq.auth.create_certificates(dir, name)"
+
+
+def _check_curve_fields(cfg: KVCRLinkerConfig) -> None:
+    """Both CURVE fields or neither; a readable secret key file; a key directory."""
+    secret, keys = cfg.control_curve_secret_key_file, cfg.control_curve_public_keys_dir
+    for name, value in ((_SECRET_FIELD, secret), (_KEYS_FIELD, keys)):
+        if not isinstance(value, str) or not value.isprintable():
+            raise _error(name, "must be a path string")
+    if not secret and not keys:
+        return
+    if not secret or not keys:
+        missing = _SECRET_FIELD if not secret else _KEYS_FIELD
+        present = _KEYS_FIELD if not secret else _SECRET_FIELD
+        raise _error(missing, f"is required when {present} is set; set both or neither")
+    if not os.path.isfile(secret) or not os.access(secret, os.R_OK):
+        raise _error(
+            _SECRET_FIELD,
+            f"{secret!r} is not a readable file; point it at this worker's "
+            f"'.key_secret' file ({_MAKE_KEYS})",
+        )
+    found = _curve_keys(_SECRET_FIELD, secret)
+    if not _is_z85_key(found.get("secret-key")) or not _is_z85_key(
+        found.get("public-key")
+    ):
+        raise _error(
+            _SECRET_FIELD,
+            f"{secret!r} holds no valid CURVE secret key (the '.key' file is "
+            f"the public half); use the '.key_secret' file ({_MAKE_KEYS})",
+        )
+    if not os.path.isdir(keys) or not os.access(keys, os.R_OK | os.X_OK):
+        raise _error(
+            _KEYS_FIELD,
+            f"{keys!r} is not a readable directory; put the peers' '.key' public "
+            f"key files in one ({_MAKE_KEYS})",
+        )
+    names = sorted(n for n in os.listdir(keys) if n.endswith(".key"))
+    if not names:
+        raise _error(
+            _KEYS_FIELD, f"{keys!r} holds no '.key' public key files; {_MAKE_KEYS}"
+        )
+    for name in names:
+        path = os.path.join(keys, name)
+        if not _is_z85_key(_curve_keys(_KEYS_FIELD, path).get("public-key")):
+            raise _error(
+                _KEYS_FIELD, f"{path!r} holds no valid CURVE public key; {_MAKE_KEYS}"
+            )
+
+
+def _curve_keys(field: str, path: str) -> dict[str, str]:
+    """The ``public-key``/``secret-key`` values of a ZeroMQ certificate file, read
+    as pyzmq's ``load_certificate`` does (stdlib only: no pyzmq here)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read(1 << 16).splitlines()
+    except OSError as exc:
+        raise _error(field, f"{path!r} cannot be read ({exc.strerror})") from None
+    found: dict[str, str] = {}
+    for line in lines:
+        name, eq, value = line.strip().partition("=")
+        if eq and name.strip() in ("public-key", "secret-key"):
+            found[name.strip()] = value.strip(" \t'\"")
+    return found
+
+
+_Z85 = (
+    "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    ".-:+=^!/*?&<>()[]{}@%$#"
+)
+
+
+def _is_z85_key(key: str | None) -> bool:
+    """A 40-character Z85 text that decodes to a 32-byte CURVE key."""
+    if not isinstance(key, str) or len(key) != 40 or any(c not in _Z85 for c in key):
+        return False
+    for i in range(0, 40, 5):
+        value = 0
+        for c in key[i : i + 5]:
+            value = value * 85 + _Z85.index(c)
+        if value >= 1 << 32:
+            return False
+    return True
 
 
 def _is_wildcard(host: str) -> bool:

@@ -9,12 +9,18 @@ Hooks (registered through ``HookRegistry`` by the plugin entry point):
   request, MIN-reduced across the attention group, hides the not-ready ones for
   this pass and puts them back in their original order afterwards; each pass's
   verdicts go to ``note_admission`` (the admission wait in the stats line).
+* ``UnifiedCacheLinkerWrapper.finish_loads`` (AROUND): one restore verdict per
+  request, so a request whose KV did not land is aborted alone.
 * ``UnifiedCacheLinkerWrapper.release_request`` and ``UnifiedRadixCache.on_release``
   (AFTER): aborts and releases reach the backend.
 * ``UnifiedCacheLinkerWrapper.commit_completed_offloads`` (AROUND) and
   ``UnifiedRadixCache.check_hicache_events`` (AFTER): EXTERNAL ``BlockStored`` for
   committed offloads, and KVCR evictions gathered across ranks so every rank clears
   the same stored marks (and publishes ``BlockRemoved``).
+* ``SchedulerWeightUpdaterManager.update_weights_from_{disk,tensor,distributed,ipc}``
+  and ``begin_weight_update`` (AROUND): ``weights_changing`` before the weights
+  change (and again, as unknown weights, when the update fails), so the backend
+  refuses pages until the flush that follows re-keys it for the new weights.
 
 Linkers without the optional hooks (Mooncake, mori) see no behaviour change: every
 hook returns at once unless ``prepares_requests`` / ``publishes_external_events``.
@@ -32,6 +38,7 @@ import torch
 from sglang.srt.mem_cache.storage.kvcr.errors import KVCRUnavailableError
 from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
     LinkerRequestContext,
+    PreparationHandle,
     linker_hook,
 )
 
@@ -44,6 +51,20 @@ _WRAPPER = (
     "sglang.srt.mem_cache.unified_cache.unified_cache_linker.UnifiedCacheLinkerWrapper"
 )
 _CACHE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
+_WEIGHTS = (
+    "sglang.srt.managers.scheduler_components.weight_updater"
+    ".SchedulerWeightUpdaterManager"
+)
+WEIGHT_TARGETS: tuple[str, ...] = tuple(
+    f"{_WEIGHTS}.{name}"
+    for name in (
+        "update_weights_from_disk",
+        "update_weights_from_tensor",
+        "update_weights_from_distributed",
+        "update_weights_from_ipc",
+        "begin_weight_update",
+    )
+)
 _PD_PREFILL = (
     "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
     ".optimistic_release_and_requeue"
@@ -54,10 +75,12 @@ TARGETS: tuple[str, ...] = (
     f"{_SCHED}._get_new_batch_prefill_raw",
     f"{_WRAPPER}.release_request",
     f"{_WRAPPER}.commit_completed_offloads",
+    f"{_WRAPPER}.finish_loads",
     f"{_CACHE}.on_release",
     f"{_CACHE}.check_hicache_events",
     f"{_CACHE}.init_cache_linker",
     f"{_CACHE}.reset",
+    *WEIGHT_TARGETS,
 )
 
 
@@ -70,11 +93,14 @@ def register_hooks() -> None:
     HookRegistry.register(TARGETS[1], _around_get_new_batch_prefill, around)
     HookRegistry.register(TARGETS[2], _after_wrapper_release_request, after)
     HookRegistry.register(TARGETS[3], _around_commit_completed_offloads, around)
-    HookRegistry.register(TARGETS[4], _after_on_release, after)
-    HookRegistry.register(TARGETS[5], _after_check_hicache_events, after)
-    HookRegistry.register(TARGETS[6], _after_init_cache_linker, after)
-    HookRegistry.register(TARGETS[7], _after_cache_reset, after)
+    HookRegistry.register(TARGETS[4], _around_finish_loads, around)
+    HookRegistry.register(TARGETS[5], _after_on_release, after)
+    HookRegistry.register(TARGETS[6], _after_check_hicache_events, after)
+    HookRegistry.register(TARGETS[7], _after_init_cache_linker, after)
+    HookRegistry.register(TARGETS[8], _after_cache_reset, after)
     HookRegistry.register(_PD_PREFILL, _after_optimistic_requeue, after)
+    for target in WEIGHT_TARGETS:
+        HookRegistry.register(target, _around_weight_update, around)
 
 
 def installed_hooks() -> dict[str, bool]:
@@ -166,11 +192,9 @@ def wrapper_sync_preparation(wrapper: Any, reqs: list[Any]) -> list[bool]:
     return [bool(v) for v in flags.tolist()]
 
 
-def _handle(req: Any) -> str:
+def _handle(req: Any) -> PreparationHandle:
     handle = getattr(req, "cache_request_handle", None)
-    return LinkerRequestContext(
-        req.rid, int(getattr(handle, "attempt_id", 0) or 0)
-    ).handle
+    return PreparationHandle(req.rid, int(getattr(handle, "attempt_id", 0) or 0))
 
 
 def _prepare_safely(tree_cache: Any, req: Any) -> None:
@@ -202,11 +226,13 @@ def _after_add_request_to_queue(
 def _after_optimistic_requeue(
     result: Any, scheduler: Any, *args: Any, **kw: Any
 ) -> None:
+    """Prepare the request just requeued (its new attempt), wherever it went."""
     tree_cache = getattr(scheduler, "tree_cache", None)
     if tree_cache is None or _preparing_backend(tree_cache) is None:
         return
-    if scheduler.waiting_queue:
-        _prepare_safely(tree_cache, scheduler.waiting_queue[0])
+    req = args[0] if args else kw.get("req")
+    if req is not None:
+        _prepare_safely(tree_cache, req)
 
 
 def _around_get_new_batch_prefill(
@@ -238,6 +264,40 @@ def merge_held(original: list[Any], held: list[Any], after: list[Any]) -> list[A
     merged = [r for r in original if id(r) in held_ids or id(r) in after_ids]
     merged.extend(r for r in after if id(r) not in original_ids)
     return merged
+
+
+# ---- restore verdicts --------------------------------------------------------
+
+
+def _around_finish_loads(original: Callable[..., Any], wrapper: Any) -> list[str]:
+    """The wrapper's ``finish_loads`` with one verdict per request instead of one
+    per batch: only requests whose own KV did not land are aborted; the others
+    of the batch run on their restored KV. Each request's verdict is MIN-reduced
+    across the attention group (same rids, same order on every rank)."""
+    backend = wrapper.cache_linker
+    by_request = getattr(backend, "finish_layer_wise_loading_by_request", None)
+    if by_request is None:
+        return original(wrapper)
+    rids, wrapper.inflight_load_rids = wrapper.inflight_load_rids, []
+    if not rids:
+        return []
+    index, wrapper.inflight_load_index = wrapper.inflight_load_index, -1
+    verdicts = by_request(index)
+    landed = torch.tensor(
+        [int(verdicts.get(rid, True)) for rid in rids], dtype=torch.int
+    )
+    wrapper.cache._all_reduce_attn_groups(landed, torch.distributed.ReduceOp.MIN)
+    for rid in rids:
+        wrapper.private_load_indices.pop(rid, None)
+    failed = [rid for rid, ok in zip(rids, landed.tolist(), strict=True) if not ok]
+    if failed:
+        logger.error(
+            "KVCR restore did not land for %d of %d request(s); aborting %s",
+            len(failed),
+            len(rids),
+            failed,
+        )
+    return failed
 
 
 # ---- release hooks ----------------------------------------------------------
@@ -278,6 +338,28 @@ def _after_cache_reset(result: Any, cache: Any) -> None:
     index = getattr(cache, "_kvcr_hash_to_node", None)
     if index is not None:
         index.clear()
+
+
+def _around_weight_update(
+    original: Callable[..., Any], manager: Any, recv_req: Any, *args: Any, **kw: Any
+) -> Any:
+    """Tell the backend before the weights change; a failed update leaves them
+    unknown (partly loaded, or rolled back), so it is announced again as such."""
+    scheduler = getattr(manager, "scheduler", None)
+    tree_cache = getattr(scheduler, "tree_cache", None)
+    backend = None if tree_cache is None else _backend(tree_cache)
+    if backend is None:
+        return original(manager, recv_req, *args, **kw)
+    source = original.__name__.removeprefix("update_weights_from_")
+    changing = linker_hook(backend, "weights_changing")
+    if source == "disk":
+        changing(source, recv_req.model_path, recv_req.load_format)
+    else:
+        changing(source)
+    result = original(manager, recv_req, *args, **kw)
+    if getattr(result, "success", True) is False:
+        changing(f"{source} (failed)")
+    return result
 
 
 def _around_commit_completed_offloads(

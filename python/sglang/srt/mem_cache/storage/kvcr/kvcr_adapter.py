@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import itertools
 import logging
 import queue
@@ -27,7 +28,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
-from sglang.srt.mem_cache.storage.kvcr import progress_pacer
+from sglang.srt.mem_cache.storage.kvcr import control_auth, progress_pacer
 from sglang.srt.mem_cache.storage.kvcr.errors import (
     KVCRAdapterFailed,
     KVCRTimeoutError,
@@ -213,6 +214,8 @@ class KVCRAdapter:
         self._failure: BaseException | None = None
         self._stats = AdapterStats()
         self._stats_lock = threading.Lock()
+        # Caller-thread state: hints whose fetch was refused, by request id.
+        self._held_hints: dict[str, Mapping[str, Any]] = {}
         # Owner-thread state.
         self._kvcr: Any = None
         self._inflight: dict[int, _Inflight] = {}
@@ -252,12 +255,27 @@ class KVCRAdapter:
     def submit(self, command: Deposit | Fetch | Release | DiscardHint) -> None:
         """Enqueue a command; results arrive through ``drain``."""
         self._raise_if_failed()
+        if isinstance(command, Fetch):
+            command = self._carry_hint(command)
         if isinstance(command, (Deposit, Fetch)) and not self._charge(
             _budget(command), command.nbytes
         ):
+            if isinstance(command, Fetch) and command.hint is not None:
+                # Not lost with its fetch: the request's next fetch carries it.
+                self._held_hints[command.request_id] = command.hint
             self._complete_all(command, EntryStatus.REFUSED)
             return
+        if isinstance(command, DiscardHint):
+            self._held_hints.pop(command.request_id, None)
         self._commands.put(command)
+
+    def _carry_hint(self, fetch: Fetch) -> Fetch:
+        """A hint held back from this request's refused fetch rides on this one."""
+        held = self._held_hints.get(fetch.request_id)
+        if held is None or fetch.hint is not None or not fetch.nbytes:
+            return fetch
+        del self._held_hints[fetch.request_id]
+        return dataclasses.replace(fetch, hint=held)
 
     def submit_together(self, commands: Sequence[Deposit]) -> None:
         """Deposits charged to the offload budget as one: all enqueued, or all
@@ -350,8 +368,9 @@ class KVCRAdapter:
             before = getattr(s, inflight)
             now = before + nbytes
             # One operation larger than the whole budget still runs, alone:
-            # refusing it would refuse it forever.
-            if now > limit and before > 0:
+            # refusing it would refuse it forever. Zero bytes (a claim on a
+            # resident page) always fits.
+            if nbytes and now > limit and before > 0:
                 setattr(s, refused, getattr(s, refused) + 1)
                 return False
             setattr(s, inflight, now)
@@ -618,8 +637,11 @@ def make_kvcr_factory(
     eviction_policy: str,
     nixl_progress_thread: bool,
     progress_idle_ms: int = 0,
+    inbound_guard: Any = None,
 ) -> Callable[[Callbacks], Any]:
-    """A factory that builds the real KVCR on the owner thread."""
+    """A factory that builds the real KVCR on the owner thread; with an
+    ``inbound_guard`` (``control_auth.InboundGuard``) its control channel checks
+    who connects."""
 
     def build(callbacks: Callbacks) -> Any:
         progress_pacer.configure(progress_idle_ms)
@@ -628,13 +650,18 @@ def make_kvcr_factory(
         from kvcr.control_channels import ZmqPeerControlChannel
         from kvcr.policy import FIFOPolicy, LRUPolicy
 
+        channel_cls: Any = ZmqPeerControlChannel
+        if inbound_guard is not None:
+            channel_cls = functools.partial(
+                control_auth.guarded_channel_class(), guard=inbound_guard
+            )
         if control_port:
-            control = ZmqPeerControlChannel(
+            control = channel_cls(
                 control_bind_host, control_port, control_advertise_host
             )
         else:
             control = _channel_on_own_port(
-                ZmqPeerControlChannel, control_bind_host, control_advertise_host
+                channel_cls, control_bind_host, control_advertise_host
             )
         build.endpoint = str(control.endpoint)  # type: ignore[attr-defined]
         policy = LRUPolicy() if eviction_policy == "lru" else FIFOPolicy()

@@ -35,8 +35,9 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
     UnifiedCacheLinker,
 )
 
-from sglang.srt.mem_cache.storage.kvcr import kvcr_layout
+from sglang.srt.mem_cache.storage.kvcr import kvcr_layout, model_identity
 from sglang.srt.mem_cache.storage.kvcr.config import KVCRLinkerConfig
+from sglang.srt.mem_cache.storage.kvcr.control_auth import InboundGuard
 from sglang.srt.mem_cache.storage.kvcr.device_streams import (
     DeviceBinding,
     drain,
@@ -60,6 +61,7 @@ from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import (
 from sglang.srt.mem_cache.storage.kvcr.kvcr_layout import KVCRLayoutError
 from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
     LinkerRequestContext,
+    PreparationHandle,
     PreparationHooks,
 )
 from sglang.srt.mem_cache.storage.kvcr.offload_staging import HostStaging, StageJob
@@ -79,7 +81,10 @@ logger = logging.getLogger(__name__)
 
 _STATS_LOG_PERIOD_S = 30.0
 _INCARNATIONS = itertools.count(1)
-_LAZY_PREPARE_WAIT_S = 0.25
+# A failed restore copy pauses restores (lookups miss) for this long, doubling
+# per consecutive failure up to the cap; a batch that lands resets the backoff.
+_RESTORE_PAUSE_S = 5.0
+_RESTORE_PAUSE_MAX_S = 300.0
 # Direct offloads this large go to KVCR as _DEPOSIT_PARTS deposits (see
 # _submit_deferred_deposits); smaller ones as one.
 _SPLIT_DEPOSIT_BYTES = 64 << 20
@@ -228,6 +233,10 @@ class LinkerStats:
     miss_prefix_moved: int = 0
     miss_unclaimed: int = 0
     miss_restore_disabled: int = 0
+    miss_unprepared: int = 0
+    restore_copy_failures: int = 0
+    hints_self: int = 0  # hints naming this worker: served from local residency
+    hints_quarantine_off: int = 0  # hints ignored: peer fetches off (quarantine)
     offloaded_bytes: int = 0
     restored_bytes: int = 0
     prepare_ms_total: float = 0.0
@@ -242,6 +251,7 @@ class LinkerStats:
     offload_staging_full: int = 0
     refused_abandoned: int = 0
     evicted_pages: int = 0
+    refused_weights_changed: int = 0  # lookups between a weight update and flush
 
 
 class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
@@ -270,6 +280,11 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self.layout = kvcr_layout.PageLayout.from_kv_pool(
             kvcache, self.page_size, identity=identity, draft_pool=_draft_pool(params)
         )
+        self._identity = identity
+        # Set by weights_changing(): the identity of the weights now being served,
+        # keyed only by the next reset(); until then every page is refused.
+        self._pending_identity: kvcr_layout.ModelIdentity | None = None
+        self._load_format = str(getattr(server_args, "load_format", None) or "auto")
         self.pools = _sglang_pools(kvcache, components, self.layout)
         if self.layout.window_pools:
             _refuse_virtual_swa_pages(params.token_to_kv_pool_allocator)
@@ -346,6 +361,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             "eviction_policy": cfg.eviction_policy,
             "nixl_progress_thread": cfg.nixl_progress_thread,
             "progress_idle_ms": cfg.progress_idle_ms,
+            "inbound_guard": InboundGuard.from_config(cfg),
         }
         self._limits = AdapterLimits(
             max_inflight_offload_bytes=cfg.max_inflight_offload_bytes,
@@ -370,7 +386,11 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self._queued_loads: dict[str, _LoadJob] = {}
         self._staged_slots: dict[int, tuple[int, ...]] = {}  # deposit op -> slots
         self._quarantined: list[torch.Tensor] = []  # DRAM of non-quiescent cores
-        self._restore_failed = False  # a failed copy stops new restores
+        # Set once max_quarantined_cores is reached (or at 0 and the first).
+        self._peer_fetches_off = False
+        # A failed copy pauses new restores until this monotonic time.
+        self._restore_paused_until = 0.0
+        self._restore_failures = 0  # consecutive failed batches
         self._batches: dict[int, list[_LoadJob]] = {}
         self._last_stats_log = time.monotonic()
         try:
@@ -468,14 +488,68 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
                 "KVCR reset: old core not quiescent; %d bytes quarantined",
                 self.quarantined_bytes(),
             )
+            if (
+                len(self._quarantined)
+                >= self.config.max_quarantined_cores * len(self._storage)
+                and not self._peer_fetches_off
+            ):
+                self._peer_fetches_off = True
+                logger.error(
+                    "KVCR: %d bytes quarantined (max_quarantined_cores=%d reached); "
+                    "peer fetches are off for this worker's lifetime, local "
+                    "offload and restore continue",
+                    self.quarantined_bytes(),
+                    self.config.max_quarantined_cores,
+                )
         else:
             for storage in self._storage.values():
                 storage.zero_()
         # The wrapper fails its own pending offloads on reset; results queued here
         # would otherwise pair with the next offloads by position.
         self._offload_fifo.clear()
+        if self._pending_identity is not None:
+            # New weights: a new digest, so no peer (or old page) of the old
+            # weights ever matches a key of the new ones.
+            self._identity, self._pending_identity = self._pending_identity, None
+            self.layout = self.layout.with_identity(self._identity)
+            self._factory_args["key_adapter"] = kvcr_layout.KeyAdapter(self.layout)
         self._adapter = self._start_adapter()
-        logger.info("KVCR linker reset: residency cleared, endpoint=%s", self.endpoint)
+        logger.info(
+            "KVCR linker reset: residency cleared, endpoint=%s digest=%s",
+            self.endpoint,
+            self.layout.compatibility_digest,
+        )
+
+    def weights_changing(
+        self, source: str, model_path: str | None = None, load_format: str | None = None
+    ) -> None:
+        """The served weights are being replaced (``source``: disk, tensor, ...).
+
+        Until the next ``reset()`` (SGLang's flush after the update) this worker
+        restores, fetches and stores nothing; the reset re-keys KVCR with the new
+        identity: the checkpoint at ``model_path`` for a disk update of a local
+        checkpoint without a draft model, else a version no other worker has.
+        """
+        identity = self._pending_identity or self._identity
+        if model_path is not None and os.path.exists(model_path) and not identity.draft:
+            checkpoint = model_identity.weights_fingerprint(
+                model_path, identity.revision, load_format or self._load_format
+            )
+            identity = dataclasses.replace(
+                identity, checkpoint=checkpoint, weights_version=""
+            )
+        else:
+            version = model_identity.new_weights_version()
+            identity = dataclasses.replace(identity, weights_version=version)
+        self._pending_identity = identity
+        logger.info(
+            "KVCR: weights changing (%s); pages refused until the next flush", source
+        )
+
+    @property
+    def weights_pending(self) -> bool:
+        """Whether new weights are served but KVCR is not re-keyed for them yet."""
+        return self._pending_identity is not None
 
     def close(self) -> None:
         timeout = self.config.owner_wait_timeout_s
@@ -549,12 +623,17 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
 
     def _on_inventory(self, change: InventoryChange) -> None:
         if change.removed:
+            # A page whose object in any pool (kv, draft, a second KV pool, swa)
+            # was evicted is no longer whole in KVCR: its stored mark must clear
+            # so the node is offloaded again.
             self._resident.difference_update(change.keys)
-            for key in change.keys:
-                parsed = self._parse_key(key)
-                if parsed is not None and parsed[1] == self.layout.pools[0].name:
-                    self._removed_hashes.append(parsed[0])
-                    self.stats.evicted_pages += 1
+            pages = {
+                parsed[0]
+                for parsed in map(self._parse_key, change.keys)
+                if parsed is not None
+            }
+            self._removed_hashes.extend(sorted(pages))
+            self.stats.evicted_pages += len(pages)
         else:
             self._resident.update(change.keys)
 
@@ -635,7 +714,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
 
     def prepare_request(
         self, ctx: LinkerRequestContext, transfers: list[PoolTransfer]
-    ) -> str:
+    ) -> PreparationHandle:
         """Fetch the tail's locally resident or hinted pages into claimed KVCR DRAM."""
         self._pump()
         old = self._preps.get(ctx.rid)
@@ -643,6 +722,14 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             self._drop_prep(old)
         page_hashes = _kv_keys(transfers)
         hint = self._hints.parse(ctx.kv_hints) if ctx.kv_hints is not None else None
+        if hint is not None and hint.source_endpoint == self.endpoint:
+            # A router naming this very worker: its pages are local residency
+            # (fetched below if resident), never a NIXL transfer to itself.
+            self.stats.hints_self += 1
+            hint = None
+        elif hint is not None and self._peer_fetches_off:
+            self.stats.hints_quarantine_off += 1  # see max_quarantined_cores
+            hint = None
         hinted = set(hint.block_hashes) if hint is not None else set()
         wanted = 0
         for page_hash in page_hashes:
@@ -654,6 +741,8 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         deadline = time.monotonic() + self.config.preparation_timeout_ms / 1000.0
         prep = Preparation(ctx, page_hashes, deadline, hinted=hint is not None)
         self._preps[ctx.rid] = prep
+        if wanted and self._pending_identity is not None:
+            wanted = 0  # pages of the old weights: recompute
         if wanted and self.abandoned_bytes() > self.config.max_abandoned_bytes:
             # Work for requests that went away is still unresolved in KVCR: do not
             # pile more on; this request recomputes.
@@ -677,24 +766,34 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             span = page_hashes[start : min(wanted, start + chunk)]
             for pool in self.layout.pools:
                 pages = [h for h in span if h in window_set] if pool.trailing else span
-                if not pages:
-                    continue
-                op_id = self._adapter.next_op_id()
-                chunk_keys = tuple(self.layout.block_key(h, pool.name) for h in pages)
-                nbytes = len(chunk_keys) * pool.page_bytes * len(pool.spans)
-                prep.pending_ops.add(op_id)
-                self._op_owner[op_id] = (ctx.rid, nbytes)
-                self._adapter.submit(
-                    Fetch(
-                        op_id=op_id,
-                        keys=chunk_keys,
-                        request_id=ctx.handle,
-                        expected_layout=tuple(pool.part_labels),
-                        nbytes=nbytes,
-                        hint=envelope,
+                keys = [self.layout.block_key(h, pool.name) for h in pages]
+                # Resident keys only take a claim (no bytes move: nothing to
+                # charge); the rest come from the hinted peer and are charged.
+                local = tuple(k for k in keys if k in self._resident)
+                remote = tuple(k for k in keys if k not in self._resident)
+                for chunk_keys, moved in ((local, False), (remote, True)):
+                    if not chunk_keys:
+                        continue
+                    op_id = self._adapter.next_op_id()
+                    claimed = len(chunk_keys) * self._pool_page_bytes[pool.name]
+                    nbytes = claimed if moved else 0
+                    prep.pending_ops.add(op_id)
+                    # The DRAM it will claim (what an abandoned op still holds).
+                    self._op_owner[op_id] = (ctx.rid, claimed)
+                    self._adapter.submit(
+                        Fetch(
+                            op_id=op_id,
+                            keys=chunk_keys,
+                            request_id=str(ctx.handle),
+                            expected_layout=tuple(pool.part_labels),
+                            nbytes=nbytes,
+                            # Once per request id; the adapter keeps it for the
+                            # request's next fetch if this one is refused.
+                            hint=envelope if moved else None,
+                        )
                     )
-                )
-                envelope = None  # submitted once per request id
+                    if moved:
+                        envelope = None
         self._pump()
         return ctx.handle
 
@@ -711,11 +810,16 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             self.stats.prepare_ms_max = max(self.stats.prepare_ms_max, waited_ms)
         prep.state = PrepState.READY
 
-    def preparation_ready(self, handle: Any) -> bool:
+    def preparation_ready(self, handle: PreparationHandle) -> bool:
+        """Whether ``handle``'s attempt may be admitted. Only that attempt's own
+        preparation can hold it back: a stale handle never reads a newer one."""
         self._pump()
-        rid = str(handle).rsplit("#", 1)[0]
-        prep = self._preps.get(rid)
-        if prep is None or prep.state is not PrepState.FETCHING:
+        prep = self._preps.get(handle.rid)
+        if (
+            prep is None
+            or prep.ctx.attempt_id != handle.attempt_id
+            or prep.state is not PrepState.FETCHING
+        ):
             return True
         if time.monotonic() >= prep.deadline:
             self.stats.prepare_deadline_expired += 1
@@ -783,7 +887,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         if claims:
             self._adapter.submit(Release(tuple(claims)))
         if prep.hinted:
-            self._adapter.submit(DiscardHint(prep.ctx.handle))
+            self._adapter.submit(DiscardHint(str(prep.ctx.handle)))
 
     # ---- UnifiedCacheLinker contract ---------------------------------------------
 
@@ -793,23 +897,22 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         page_hashes = _kv_keys(transfers)
         if not page_hashes:
             return []
-        if self._restore_failed:
+        if self._pending_identity is not None:  # KV of other weights
+            self.stats.refused_weights_changed += 1
+            return []
+        if time.monotonic() < self._restore_paused_until:
             self.stats.miss_restore_disabled += 1
             return []
         prep = self._preps.get(rid)
         if prep is None:
+            # Never prepared (it reached the tree without passing the enqueue
+            # hook): a miss, never a wait on the scheduler thread.
             first = self.layout.block_key(page_hashes[0], self.layout.pools[0].name)
             if first not in self._resident:
                 self.stats.lookup_fast_miss += 1
-                return []
-            # No preparation hooks ran (plain SGLang scheduler): prepare now and
-            # wait briefly; local residents land in milliseconds.
-            self.prepare_request(LinkerRequestContext(rid), transfers)
-            prep = self._preps[rid]
-            deadline = time.monotonic() + _LAZY_PREPARE_WAIT_S
-            while prep.state is PrepState.FETCHING and time.monotonic() < deadline:
-                time.sleep(0.0005)
-                self._pump()
+            else:
+                self.stats.miss_unprepared += 1
+            return []
         start = self._page_index(prep, page_hashes[0])
         if start is None:  # the device prefix moved past what was prepared
             self.stats.miss_prefix_moved += 1
@@ -918,9 +1021,18 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         return index
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
+        """The base contract: True only when every load of the batch landed."""
+        return all(self.finish_layer_wise_loading_by_request(counter_index).values())
+
+    def finish_layer_wise_loading_by_request(
+        self, counter_index: int
+    ) -> dict[str, bool]:
+        """Wait for the batch; whether each of its requests' KV landed. A load
+        whose claims were missing copied nothing and fails alone; a failed copy
+        fails every load of the batch (any of its pages may be partial)."""
         jobs = self._batches.pop(counter_index, None)
         if jobs is None:
-            return True
+            return {}
         ok = bool(self.layer_done_counter.finish(counter_index))
         if ok:
             self.stats.restored_bytes += sum(
@@ -932,7 +1044,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         claims = [c for job in jobs for c in job.claims]
         if claims:
             self._adapter.submit(Release(tuple(claims)))
-        return ok and all(job.complete for job in jobs)
+        return {job.rid: ok and job.complete for job in jobs}
 
     def cancel_queued_load(self, rid: str) -> bool:
         job = self._queued_loads.pop(rid, None)
@@ -968,6 +1080,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             kv is None
             or not kv.keys
             or not _covers(kv.device_indices, len(kv.keys), self.page_size)
+            or self._pending_identity is not None  # would be keyed as old weights
         ):
             record.fail()  # nothing (or not every page) to read: stored nothing
             return True
@@ -1145,13 +1258,26 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
                 wait_fences(stream, fences)
                 self._copy_batch(index, jobs, stream)
         except BaseException as exc:
-            logger.exception("KVCR restore copy failed; no new restores until restart")
+            logger.exception("KVCR restore copy failed; its requests are aborted")
             try:
                 drain(stream)  # queued writes land before the slots are given back
             except BaseException:
                 logger.exception("KVCR restore stream could not be drained")
-            self._restore_failed = True
+            self._pause_restores()
             self.layer_done_counter.fail(index, exc)
+            return
+        self._restore_failures = 0  # a batch landed: restores run normally
+
+    def _pause_restores(self) -> None:
+        """A copy failed: lookups miss for a while, longer after each failure in
+        a row (a device fault should not turn every later restore into one)."""
+        self._restore_failures += 1
+        self.stats.restore_copy_failures += 1
+        pause = min(
+            _RESTORE_PAUSE_MAX_S, _RESTORE_PAUSE_S * 2 ** (self._restore_failures - 1)
+        )
+        self._restore_paused_until = time.monotonic() + pause
+        logger.error("KVCR restores paused for %.0f s after a failed copy", pause)
 
     def _copy_batch(self, index: int, jobs: list[_LoadJob], stream: Any) -> None:
         jobs = [job for job in jobs if job.complete]
@@ -1209,7 +1335,13 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             f"offload_pages={s.offload_pages} offload_failures={s.offload_failures} "
             f"staging_full={s.offload_staging_full} "
             f"misses={{prefix_moved: {s.miss_prefix_moved}, unclaimed: "
-            f"{s.miss_unclaimed}, restore_disabled: {s.miss_restore_disabled}}} "
+            f"{s.miss_unclaimed}, restore_disabled: {s.miss_restore_disabled}, "
+            f"unprepared: {s.miss_unprepared}}} "
+            f"restore_copy_failures={s.restore_copy_failures} "
+            f"hints_self={s.hints_self} "
+            f"hints_quarantine_off={s.hints_quarantine_off} "
+            f"peer_fetches_off={int(self._peer_fetches_off)} "
+            f"weights_changed_misses={s.refused_weights_changed} "
             f"offloaded_bytes={s.offloaded_bytes} restored_bytes={s.restored_bytes} "
             f"prepare_wait_ms_avg={s.prepare_ms_total / max(1, s.prepare_done):.2f} "
             f"prepare_wait_ms_max={s.prepare_ms_max:.2f} "
@@ -1229,6 +1361,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             f"refused_offload={a.refused_offload} refused_prepare={a.refused_prepare} "
             f"inflight_offload_bytes={a.inflight_offload_bytes} "
             f"inflight_prepare_bytes={a.inflight_prepare_bytes} "
+            f"inbound_refused={self._factory_args['inbound_guard'].refused} "
             f"hints={self._hints.stats.as_dict()}"
         )
 
@@ -1368,17 +1501,9 @@ def _attn_rank(params: Any) -> tuple[int, int]:
 def kvcache_layout_identity(
     server_args: Any, rank: int, size: int
 ) -> kvcr_layout.ModelIdentity:
-    """The model identity a page's compatibility digest covers."""
-    draft = getattr(server_args, "speculative_draft_model_path", None) or ""
-    if not draft and getattr(server_args, "speculative_algorithm", None):
-        draft = f"{server_args.speculative_algorithm}:{server_args.model_path}"
-    return kvcr_layout.ModelIdentity(
-        checkpoint=str(getattr(server_args, "model_path", "") or ""),
-        revision=str(getattr(server_args, "revision", None) or ""),
-        draft=str(draft),
-        tp_rank=rank,
-        tp_size=size,
-    )
+    """The model identity a page's compatibility digest covers (model_identity)."""
+    fields = model_identity.model_identity_fields(server_args)
+    return kvcr_layout.ModelIdentity(tp_rank=rank, tp_size=size, **fields)
 
 
 def _page_numbers(indices: torch.Tensor, pages: int, page_size: int) -> torch.Tensor:

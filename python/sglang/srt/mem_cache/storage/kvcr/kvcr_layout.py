@@ -11,9 +11,10 @@ Each buffer is a :class:`Span`, registered as one KVCR framework region
 KVCR pool, valued by one ``MemoryRef`` per span. KVCR has one block size per pool,
 so spans of differing size (MHA with ``v_head_dim != head_dim``) are split into
 KVCR pools ``kv``, ``kv_1``, ..., each keyed separately. Keys carry a digest of
-checkpoint, revision, draft, KV dtype, page size, span geometry and attention shard
-(never pointers, page counts, worker or data-parallel identity). kvcr is imported
-lazily, only where kvcr objects are built.
+the :class:`ModelIdentity` (checkpoint content, config, revision, draft, the server
+settings that change KV bytes, weight version), KV dtype, page size, span geometry
+and attention shard (never pointers, page counts, worker or data-parallel
+identity). kvcr is imported lazily, only where kvcr objects are built.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
@@ -50,13 +51,22 @@ class KVCRLayoutError(KVCRLinkerError, ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ModelIdentity:
-    """What makes KV bytes reusable across instances (the digest's model inputs)."""
+    """What makes KV bytes reusable across instances (the digest's model inputs).
+
+    ``checkpoint`` fingerprints the weights (their content where the path is a
+    local directory), ``config`` the model config they run under, ``settings``
+    the server arguments that change KV bytes, and ``weights_version`` is empty
+    until the weights are replaced in memory (then unique per update).
+    """
 
     checkpoint: str
     revision: str
     draft: str
     tp_rank: int
     tp_size: int
+    config: str = ""
+    settings: tuple[tuple[str, str], ...] = ()
+    weights_version: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +189,9 @@ class PageLayout:
     page_size: int
     num_layers: int
     compatibility_digest: str
+    # The digest's layout half (geometry, pools, page size) as canonical JSON, so
+    # with_identity() can re-key the same pools for another model identity.
+    layout_payload: str = field(default="", compare=False, repr=False)
 
     @classmethod
     def from_kv_pool(
@@ -205,16 +218,10 @@ class PageLayout:
         for source, pool, layers in sources:
             geometry.append(_check_pool(pool, page_size))
             pools.extend(_pool_layouts(source, pool, page_size, layers))
-        sharded = any(g["kind"] == "mha" for g in geometry)
-        payload = {
+        layout_part = {
             "tag": KEY_TAG,
-            "checkpoint": identity.checkpoint,
-            "revision": identity.revision,
-            "draft": identity.draft,
             "page_size": page_size,
-            "shard": f"tp{identity.tp_rank}/{identity.tp_size}"
-            if sharded
-            else "replicated",
+            "sharded": any(g["kind"] == "mha" for g in geometry),
             "geometry": geometry,
             "pools": [
                 [
@@ -227,15 +234,20 @@ class PageLayout:
                 for p in pools
             ],
         }
-        blob = json.dumps(payload, sort_keys=True, default=str).encode()
+        blob = json.dumps(layout_part, sort_keys=True, default=str)
         num_layers = 1 + max(s.layer for p in pools for s in p.spans)
-        digest = hashlib.sha256(blob).hexdigest()[:16]
-        layout = cls(tuple(pools), page_size, num_layers, digest)
+        digest = _digest(identity, blob)
+        layout = cls(tuple(pools), page_size, num_layers, digest, blob)
         summary = [(p.name, len(p.spans), p.page_bytes) for p in pools]
         logger.info(
             "KVCR page layout %s: pools=%s layers=%d", digest, summary, num_layers
         )
         return layout
+
+    def with_identity(self, identity: ModelIdentity) -> PageLayout:
+        """The same pools keyed for ``identity`` (e.g. after a weight update)."""
+        digest = _digest(identity, self.layout_payload)
+        return replace(self, compatibility_digest=digest)
 
     def pool(self, name: str) -> PoolLayout:
         for p in self.pools:
@@ -325,6 +337,24 @@ class KeyAdapter:
             return self._hash(page_hash) & _UINT64_MASK
         except (TypeError, ValueError):
             return NO_MATCH_HASH
+
+
+def _digest(identity: ModelIdentity, layout_payload: str) -> str:
+    """16 hex digits over the model identity and the layout's canonical JSON."""
+    sharded = json.loads(layout_payload)["sharded"]
+    model = {
+        "checkpoint": identity.checkpoint,
+        "config": identity.config,
+        "revision": identity.revision,
+        "draft": identity.draft,
+        "settings": [list(item) for item in identity.settings],
+        "weights_version": identity.weights_version,
+        "shard": f"tp{identity.tp_rank}/{identity.tp_size}"
+        if sharded
+        else "replicated",
+    }
+    blob = json.dumps([model, layout_payload], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def plan_capacity(

@@ -5,7 +5,8 @@ SGLang 0.5.23's ``UnifiedCacheLinker`` has no way to see a request before its
 tail to ``prepare_request`` at enqueue, polls ``preparation_ready`` (MIN-reduced
 across the attention group) before admitting it, tells ``note_admission`` what each
 gate pass held back or let through, and reports the end of the request
-through ``release_request`` (abort) and ``finish_request`` (every release). Linkers
+through ``release_request`` (abort) and ``finish_request`` (every release), and
+announces weight updates through ``weights_changing``. Linkers
 that do not subclass ``PreparationHooks`` are driven exactly as before: the
 integration reads every hook with ``getattr`` and these defaults.
 """
@@ -17,6 +18,18 @@ from typing import Any
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class PreparationHandle:
+    """One attempt of one request: what ``preparation_ready`` is asked about.
+    ``str()`` is the request id KVCR sees (unique per attempt)."""
+
+    rid: str
+    attempt_id: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.rid}#{self.attempt_id}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class LinkerRequestContext:
     """What a linker learns about a request when it is enqueued."""
 
@@ -25,9 +38,9 @@ class LinkerRequestContext:
     kv_hints: Any = None  # sglang KvHintsEnvelope, a plain dict, or None
 
     @property
-    def handle(self) -> str:
+    def handle(self) -> PreparationHandle:
         """Identity of this attempt; a retried request gets a new one."""
-        return f"{self.rid}#{self.attempt_id}"
+        return PreparationHandle(self.rid, self.attempt_id)
 
 
 class PreparationHooks:
@@ -57,6 +70,11 @@ class PreparationHooks:
         """Page hashes whose external copy was evicted since the last call."""
         return []
 
+    def weights_changing(
+        self, source: str, model_path: str | None = None, load_format: str | None = None
+    ) -> None:
+        """The served weights are being replaced (a disk update names its path)."""
+
 
 HOOK_NAMES = (
     "prepares_requests",
@@ -67,6 +85,7 @@ HOOK_NAMES = (
     "release_request",
     "finish_request",
     "take_removed_page_hashes",
+    "weights_changing",
 )
 
 

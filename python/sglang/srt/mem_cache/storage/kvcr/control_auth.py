@@ -1,0 +1,376 @@
+"""Who may talk to this worker's KVCR control channel (ZAP address check, CURVE).
+
+kvcr 0.1.1's ``ZmqPeerControlChannel`` serves any peer that reaches its port, and
+page keys follow from token ids, so any host that can connect could pull pages.
+``make_kvcr_factory`` therefore builds the channel from ``GuardedChannel``: its
+PULL socket lives on a private ZMQ context whose ZAP handler (pyzmq's
+``ThreadAuthenticator``) accepts a connection only from an address of the
+effective allowlist (the advertised host plus ``peer_endpoint_allowlist``, parsed
+by the same parser; ports do not apply inbound, a peer's source port is
+ephemeral) and, with CURVE configured, only with a client key from
+``control_curve_public_keys_dir``. With CURVE on, this worker's own outgoing
+connections present its key pair and expect the peer's server key
+``<host>.key`` from that directory (else this worker's own public key: one key
+pair shared by all workers). Outgoing connections leave from the bind host when
+that is one IP address, so a peer sees the address it would itself dial. A
+refused connection never reaches kvcr; it is counted (``inbound_refused``) and
+logged at WARNING once per peer address. A peer speaking no CURVE to a CURVE
+worker fails ZMQ's greeting before ZAP runs, so it is refused but not counted.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from sglang.srt.mem_cache.storage.kvcr import config as kvcr_config
+from sglang.srt.mem_cache.storage.kvcr.errors import KVCRUnavailableError
+
+logger = logging.getLogger(__name__)
+
+ZAP_DOMAIN = "kvcr-control"
+_MAX_WARNED = 1024  # distinct peer addresses logged at WARNING; the rest at DEBUG
+
+_Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+class ControlAuthError(KVCRUnavailableError):
+    """The control channel's inbound check could not be installed (KVCR fails to
+    start rather than serve peers unchecked)."""
+
+
+class InboundGuard:
+    """The inbound policy of one worker rank and its refusal counter.
+
+    Thread-safe: the ZAP thread decides and counts, the scheduler reads ``refused``.
+    """
+
+    def __init__(
+        self,
+        entries: Iterable[str],
+        *,
+        source_host: str = "",
+        secret_key_file: str = "",
+        public_keys_dir: str = "",
+    ) -> None:
+        """``entries``: allowlist entries (config syntax, ports ignored)."""
+        self._networks: list[ipaddress._BaseNetwork] = []
+        self._names: list[str] = []
+        for entry in entries:
+            target, _, _ = kvcr_config.parse_allowlist_entry(entry)
+            if isinstance(target, str):
+                self._names.append(target)
+            else:
+                self._networks.append(target)
+        self._resolved: frozenset[_Address] = frozenset()
+        self.source_host = _source_host(source_host)
+        self.curve = bool(secret_key_file and public_keys_dir)
+        self._secret_key_file = secret_key_file
+        self._public_keys_dir = public_keys_dir
+        self._public = self._secret = b""
+        self._client_keys: frozenset[bytes] = frozenset()
+        self._lock = threading.Lock()
+        self._refused = 0
+        self._warned: set[str] = set()
+
+    @classmethod
+    def from_config(cls, cfg: kvcr_config.KVCRLinkerConfig) -> InboundGuard:
+        """The effective allowlist of ``cfg``: its advertised host plus the
+        ``peer_endpoint_allowlist`` entries, and its CURVE keys if any."""
+        return cls(
+            (cfg.advertise_host, *cfg.peer_endpoint_allowlist),
+            source_host=cfg.control_bind_host,
+            secret_key_file=cfg.control_curve_secret_key_file,
+            public_keys_dir=cfg.control_curve_public_keys_dir,
+        )
+
+    @property
+    def refused(self) -> int:
+        """Inbound control connections refused so far."""
+        with self._lock:
+            return self._refused
+
+    def load(self) -> None:
+        """Resolve host-name entries and read the CURVE keys (at channel start)."""
+        import zmq.auth
+
+        addresses: set[_Address] = set()
+        for name in self._names:
+            try:
+                infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+            except OSError as exc:
+                logger.warning(
+                    "KVCR control allowlist host %s does not resolve (%s); no "
+                    "connection from it is accepted",
+                    name,
+                    exc,
+                )
+                continue
+            for info in infos:
+                addr = _address(str(info[4][0]))
+                if addr is not None:
+                    addresses.add(addr)
+        self._resolved = frozenset(addresses)
+        if not self.curve:
+            return
+        try:
+            public, secret = zmq.auth.load_certificate(self._secret_key_file)
+            keys = zmq.auth.load_certificates(self._public_keys_dir)
+        except (OSError, ValueError) as exc:
+            raise ControlAuthError(
+                f"KVCR control CURVE keys could not be read ({exc}); check "
+                f"control_curve_secret_key_file and control_curve_public_keys_dir"
+            ) from exc
+        if not secret:
+            raise ControlAuthError(
+                f"{self._secret_key_file!r} holds no CURVE secret key; set "
+                f"control_curve_secret_key_file to a '.key_secret' file"
+            )
+        self._public, self._secret = public, secret
+        self._client_keys = frozenset(keys)
+
+    def allows(self, address: str, mechanism: bytes, credentials: list[bytes]) -> bool:
+        """Decide one ZAP request; a refusal is counted and logged."""
+        addr = _address(address)
+        if addr is None or not (
+            addr in self._resolved or any(addr in net for net in self._networks)
+        ):
+            return self._refuse(address, "address not allowed")
+        if self.curve:
+            if mechanism != b"CURVE" or len(credentials) != 1:
+                return self._refuse(address, "no CURVE key")
+            from zmq.utils import z85
+
+            if z85.encode(credentials[0]) not in self._client_keys:
+                return self._refuse(address, "CURVE key not allowed")
+        return True
+
+    def _refuse(self, address: str, reason: str) -> bool:
+        with self._lock:
+            self._refused += 1
+            first = address not in self._warned and len(self._warned) < _MAX_WARNED
+            if first:
+                self._warned.add(address)
+        if first:
+            logger.warning(
+                "KVCR control channel refused a connection from %s (%s); further "
+                "refusals from it are counted as inbound_refused",
+                address,
+                reason,
+            )
+        else:
+            logger.debug("KVCR control refused %s (%s)", address, reason)
+        return False
+
+    def server_options(self, sock: Any) -> None:
+        """Set the listening socket's ZAP domain and CURVE server key (pre-bind)."""
+        import zmq
+
+        sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
+        if self.curve:
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self._secret)
+
+    def client_endpoint(self, endpoint: str) -> str:
+        """``endpoint``, leaving from ``source_host`` when there is one."""
+        if not self.source_host or not endpoint.startswith("tcp://"):
+            return endpoint
+        return f"tcp://{self.source_host}:0;{endpoint[len('tcp://') :]}"
+
+    def client_options(self, sock: Any, endpoint: str) -> None:
+        """Present this worker's CURVE key pair to the peer at ``endpoint``."""
+        import zmq
+
+        if not self.curve:
+            return
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self._public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self._secret)
+        sock.setsockopt(zmq.CURVE_SERVERKEY, self._server_key(endpoint))
+
+    def _server_key(self, endpoint: str) -> bytes:
+        import zmq.auth
+
+        host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
+        path = os.path.join(self._public_keys_dir, f"{host}.key")
+        if host and os.path.isfile(path):
+            try:
+                return zmq.auth.load_certificate(path)[0]
+            except (OSError, ValueError) as exc:
+                logger.warning("KVCR control key %s is unreadable: %s", path, exc)
+        return self._public
+
+
+def _address(text: str) -> _Address | None:
+    """A ZAP peer address (IPv4-mapped IPv6 counts as IPv4); None if not an IP."""
+    try:
+        addr = ipaddress.ip_address(text.strip("[]").partition("%")[0])
+    except ValueError:
+        return None
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped
+    return addr
+
+
+def _source_host(bind_host: str) -> str:
+    """The address outgoing connections leave from: the bind host when it is one
+    IP address (bracketed for IPv6), else none (the kernel picks)."""
+    try:
+        addr = ipaddress.ip_address(bind_host)
+    except ValueError:
+        return ""
+    if addr.is_unspecified:
+        return ""
+    return f"[{addr}]" if addr.version == 6 else str(addr)
+
+
+def _zap_handler_class() -> type:
+    from zmq.auth.thread import ThreadAuthenticator
+
+    class ZapHandler(ThreadAuthenticator):
+        """pyzmq's ZAP thread, deciding by an ``InboundGuard``; never raises."""
+
+        guard: InboundGuard
+
+        async def handle_zap_message(self, msg: list[bytes]) -> None:
+            if len(msg) < 6:
+                if len(msg) >= 2:
+                    self._send_zap_reply(msg[1], b"400", b"Not enough frames")
+                return
+            request_id, domain, address, mechanism = msg[1], msg[2], msg[3], msg[5]
+            try:
+                ok = domain == ZAP_DOMAIN.encode() and self.guard.allows(
+                    address.decode("ascii", "replace"), mechanism, list(msg[6:])
+                )
+            except Exception:  # a failing check refuses; the ZAP thread lives on
+                logger.exception("KVCR control ZAP check failed; refusing")
+                ok = False
+            if ok:
+                self._send_zap_reply(request_id, b"200", b"OK", "kvcr-peer")
+            else:
+                self._send_zap_reply(request_id, b"400", b"Not allowed")
+
+    return ZapHandler
+
+
+def guarded_channel_class() -> type:
+    """kvcr's ``ZmqPeerControlChannel`` with the inbound check (built once)."""
+    global _GUARDED
+    with _GUARDED_LOCK:
+        if _GUARDED is None:
+            _GUARDED = _build_guarded_channel_class()
+        return _GUARDED
+
+
+def _build_guarded_channel_class() -> type:
+    import zmq
+
+    from kvcr.control_channels import ZmqPeerControlChannel
+
+    for name in ("initialize", "send", "close", "adopt_listener"):
+        if not callable(getattr(ZmqPeerControlChannel, name, None)):
+            raise ControlAuthError(
+                f"kvcr's ZmqPeerControlChannel has no {name}() (not kvcr 0.1.1?); "
+                f"the control channel's inbound check cannot be installed"
+            )
+    zap_handler = _zap_handler_class()
+
+    class GuardedChannel(ZmqPeerControlChannel):
+        """A control channel that checks who connects (see the module docstring)."""
+
+        # kvcr's attributes (kvcr ships no type information).
+        _listener: socket.socket | None
+        _ctx: Any
+        _socket: Any
+        _outgoing: dict[str, Any]
+
+        def __init__(
+            self,
+            bind_host: str,
+            bind_port: int,
+            advertise_host: str,
+            *,
+            guard: InboundGuard,
+        ) -> None:
+            super().__init__(bind_host, bind_port, advertise_host)
+            self._guard = guard
+            self._auth: Any = None
+
+        def initialize(self) -> None:
+            # kvcr 0.1.1's initialize(), on a private context (its own ZAP
+            # handler) and with the auth options set before bind.
+            if self._listener is None:
+                self._listener = socket.create_server(
+                    (self._bind_host, self._bind_port)
+                )
+            self._guard.load()
+            ctx = zmq.Context()
+            try:
+                auth = zap_handler(ctx)
+                auth.guard = self._guard
+                auth.start()
+            except BaseException as exc:
+                ctx.destroy(linger=0)
+                raise ControlAuthError(
+                    f"KVCR control ZAP handler failed to start: {exc}"
+                ) from exc
+            self._ctx, self._auth = ctx, auth
+            sock = ctx.socket(zmq.PULL)
+            sock.linger = 0
+            adopted_fd = -1
+            try:
+                self._guard.server_options(sock)
+                adopted_fd = os.dup(self._listener.fileno())
+                sock.setsockopt(zmq.USE_FD, adopted_fd)
+                sock.bind(self._bind_endpoint)
+            except BaseException:
+                # libzmq takes the descriptor at bind only.
+                if adopted_fd >= 0:
+                    os.close(adopted_fd)
+                sock.close()
+                self._stop_auth()
+                raise
+            self._socket = sock
+
+        def send(self, endpoint: str, message: bytes) -> bool:
+            # A socket made here (auth options before connect) is then used by
+            # kvcr's send, which handles its failures as for its own sockets.
+            if self._ctx is not None and endpoint not in self._outgoing:
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.linger = 0
+                try:
+                    self._guard.client_options(sock, endpoint)
+                    sock.connect(self._guard.client_endpoint(endpoint))
+                except zmq.ZMQError:
+                    logger.warning("KVCR control connect failed to %s", endpoint)
+                    sock.close()
+                    return False
+                self._outgoing[endpoint] = sock
+            return bool(super().send(endpoint, message))
+
+        def close(self) -> None:
+            try:
+                super().close()
+            finally:
+                self._stop_auth()
+
+        def _stop_auth(self) -> None:
+            auth, self._auth = self._auth, None
+            ctx = self._ctx
+            self._ctx = None
+            try:
+                if auth is not None:
+                    auth.stop()
+            finally:
+                if ctx is not None:
+                    ctx.destroy(linger=0)
+
+    return GuardedChannel
+
+
+_GUARDED: type | None = None
+_GUARDED_LOCK = threading.Lock()

@@ -1,0 +1,188 @@
+"""The model identity a KVCR page's compatibility digest covers (no SGLang imports).
+
+Two workers may share a page only when the page's KV bytes would be the same on
+both. :func:`model_identity` reads what decides those bytes from the server
+arguments: the checkpoint's *content* (not its path), the model config, the
+revision, the draft model, and the settings that change the KV (weight
+quantization, config overrides, KV scales, dtypes, the load format). Geometry
+(KV dtype, page size, spans, shard) is added by ``PageLayout``.
+
+A local checkpoint directory (or single weight file) is fingerprinted without
+reading whole weights: ``config.json`` and the other small config files in full;
+for every top-level weight file its name, size, and either the SHA-256 the
+Hugging Face cache names its blob with, or the safetensors header (tensor names,
+dtypes, shapes, offsets) plus ``_SAMPLES`` evenly spaced ``_SAMPLE_BYTES`` chunks
+of the data. A path that is not local (a hub id) falls back to the string plus
+the revision; nothing is ever downloaded. ``--load-format dummy`` weights are
+random: their fingerprint is the load format, never the files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+# Small files read in full: what the model runs under, and how weights are split.
+CONFIG_FILES = ("config.json",)
+_EXTRA_CONFIG_FILES = (
+    "hf_quant_config.json",
+    "quantize_config.json",
+    "quant_config.json",
+    "params.json",
+)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack")
+_INDEX_SUFFIX = ".index.json"
+_SAMPLES = 32
+_SAMPLE_BYTES = 4096
+_MAX_HEADER_BYTES = 100 << 20
+_SHA256_NAME = re.compile(r"[0-9a-f]{64}")
+# Server arguments that change KV bytes (beyond the pool geometry), hashed by value.
+_SETTINGS = (
+    "dtype",
+    "kv_cache_dtype",
+    "quantization",
+    "modelopt_quant",
+    "modelopt_checkpoint_restore_path",
+    "rl_quant_profile",
+    "speculative_draft_model_revision",
+    "speculative_draft_load_format",
+)
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _file_fingerprint(path: Path) -> str:
+    """Name-independent fingerprint of one weight file (see the module docstring)."""
+    size = path.stat().st_size
+    target = path.resolve()
+    if path.is_symlink() and _SHA256_NAME.fullmatch(target.name):
+        return f"{size}:sha256:{target.name}"  # an HF cache blob: named by content
+    h = hashlib.sha256(str(size).encode())
+    with open(target, "rb") as f:
+        if path.suffix == ".safetensors" and size >= 8:
+            n = int.from_bytes(f.read(8), "little")
+            if 0 < n <= min(size - 8, _MAX_HEADER_BYTES):
+                h.update(f.read(n))  # every tensor's name, dtype, shape, offsets
+        step = max(1, (size - _SAMPLE_BYTES) // max(1, _SAMPLES - 1))
+        for i in range(_SAMPLES):
+            offset = min(i * step, max(0, size - _SAMPLE_BYTES))
+            f.seek(offset)
+            h.update(f.read(_SAMPLE_BYTES))
+            if offset + _SAMPLE_BYTES >= size:
+                break
+    return f"{size}:sampled:{h.hexdigest()}"
+
+
+def weights_fingerprint(model_path: str, revision: str, load_format: str) -> str:
+    """What the weights loaded from ``model_path`` with ``load_format`` are."""
+    if load_format == "dummy":
+        return "dummy"  # random init, seeded identically: the files do not matter
+    path = Path(os.path.expanduser(model_path)) if model_path else None
+    if path is None or not path.exists():
+        return f"path:{model_path}@{revision}"  # not local: never download
+    if path.is_file():
+        return "file:" + _file_fingerprint(path)
+    parts: list[list[str]] = []
+    for item in sorted(path.iterdir(), key=lambda p: p.name):
+        if not item.is_file():
+            continue
+        if item.name.endswith(_INDEX_SUFFIX):
+            parts.append([item.name, _sha(item.read_bytes())])
+        elif item.name.endswith(WEIGHT_SUFFIXES):
+            parts.append([item.name, _file_fingerprint(item)])
+    if not parts:  # a directory holding no weights here: only its name is known
+        return f"path:{path.resolve()}@{revision}"
+    return "dir:" + _sha(json.dumps(parts).encode())
+
+
+def config_fingerprint(model_path: str, revision: str) -> str:
+    """The model config (and quantization config files) under ``model_path``."""
+    path = Path(os.path.expanduser(model_path)) if model_path else None
+    if path is None or not path.is_dir():
+        return f"path:{model_path}@{revision}"
+    parts = [
+        [name, _sha((path / name).read_bytes())]
+        for name in (*CONFIG_FILES, *_EXTRA_CONFIG_FILES)
+        if (path / name).is_file()
+    ]
+    return _sha(json.dumps(parts).encode())
+
+
+def _overrides(text: Any) -> str:
+    """``json_model_override_args`` in canonical form ({} and "" are equal)."""
+    if not text:
+        return ""
+    try:
+        parsed = json.loads(text) if isinstance(text, str) else text
+    except ValueError:
+        return str(text)
+    return "" if parsed == {} else json.dumps(parsed, sort_keys=True, default=str)
+
+
+def _file_or_text(value: Any) -> str:
+    """A small file's content hash where ``value`` names one, else the text."""
+    text = _text(value)
+    if text and os.path.isfile(text):
+        with open(text, "rb") as f:
+            return "sha256:" + _sha(f.read())
+    return text
+
+
+def model_settings(server_args: Any) -> tuple[tuple[str, str], ...]:
+    """Server arguments that change KV bytes, as sorted ``(name, value)`` pairs."""
+    values = {name: _text(getattr(server_args, name, None)) for name in _SETTINGS}
+    values["json_model_override_args"] = _overrides(
+        getattr(server_args, "json_model_override_args", None)
+    )
+    values["quantization_param_path"] = _file_or_text(
+        getattr(server_args, "quantization_param_path", None)
+    )
+    values["load_format"] = _text(getattr(server_args, "load_format", None)) or "auto"
+    return tuple(sorted(values.items()))
+
+
+def draft_identity(server_args: Any) -> str:
+    """The speculative draft's weights (empty without speculative decoding)."""
+    algorithm = _text(getattr(server_args, "speculative_algorithm", None))
+    draft = _text(getattr(server_args, "speculative_draft_model_path", None))
+    if not draft:
+        return f"{algorithm}:target" if algorithm else ""
+    revision = _text(getattr(server_args, "speculative_draft_model_revision", None))
+    load_format = _text(getattr(server_args, "speculative_draft_load_format", None))
+    weights = weights_fingerprint(draft, revision, load_format or "auto")
+    config = config_fingerprint(draft, revision)
+    return f"{algorithm}:{weights}:{config}"
+
+
+def model_identity_fields(server_args: Any) -> dict[str, Any]:
+    """``ModelIdentity`` keyword arguments (all but the shard) for ``server_args``."""
+    model_path = _text(getattr(server_args, "model_path", None))
+    revision = _text(getattr(server_args, "revision", None))
+    load_format = _text(getattr(server_args, "load_format", None)) or "auto"
+    return {
+        "checkpoint": weights_fingerprint(model_path, revision, load_format),
+        "config": config_fingerprint(model_path, revision),
+        "revision": revision,
+        "draft": draft_identity(server_args),
+        "settings": model_settings(server_args),
+    }
+
+
+def new_weights_version() -> str:
+    """A version no other worker has: weights replaced in memory are unknowable."""
+    return "mem:" + uuid.uuid4().hex

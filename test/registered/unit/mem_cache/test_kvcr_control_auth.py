@@ -1,0 +1,273 @@
+"""Who may pull pages from a worker: the control channel's ZAP address check and
+CURVE keys, over real kvcr 0.1.1 + NIXL on loopback (Linux routes all of 127/8
+on lo, so a peer bound on 127.0.0.2 is a different address on the same host)."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import zmq.auth
+
+from cpu_harness import kvcr_pages as pages
+from cpu_harness.kvcr_pages import (
+    PAGE_BYTES,
+    fetch_hint,
+    fill_random,
+    hashes_for,
+    kv_transfer,
+    make_pool,
+    offload_and_commit,
+    wait_until,
+)
+from sglang.srt.mem_cache.storage.kvcr.config import KVCRLinkerConfig
+from sglang.srt.mem_cache.storage.kvcr.control_auth import InboundGuard
+from sglang.srt.mem_cache.storage.kvcr.errors import KVCRConfigError
+from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
+
+AUTH_LOGGER = "sglang.srt.mem_cache.storage.kvcr.control_auth"
+# Short timeouts: a refused peer's fetch must end (as a miss) quickly.
+FAST = {
+    "local_dram_bytes_per_worker": 16 * PAGE_BYTES,
+    "operation_timeout_ms": 1000,
+    "abandon_timeout_ms": 2000,
+    "preparation_timeout_ms": 1500,
+}
+
+
+def make_linker(pool, **overrides):
+    return pages.make_linker(pool, **{**FAST, **overrides})
+
+
+def refused(linker):
+    line = linker.stats_line()
+    return int(line.split("inbound_refused=")[1].split()[0])
+
+
+@pytest.fixture
+def source():
+    """A worker on 127.0.0.1 holding pages 1-2 under hashes ``source.hashes``."""
+    made = []
+
+    def start(**overrides):
+        pool = make_pool("cpu")
+        lk = make_linker(pool, **overrides)
+        made.append(lk)
+        fill_random(pool, [1, 2], seed=7)
+        lk.hashes = hashes_for(2, "held")
+        assert offload_and_commit(lk, lk.hashes, [1, 2], "cpu") is True
+        return lk
+
+    yield start
+    for lk in reversed(made):
+        lk.close()
+
+
+def pull(source, peer, rid):
+    """What ``peer`` may restore of ``source``'s pages after a hinted preparation."""
+    ctx = LinkerRequestContext(rid, 0, fetch_hint(source.endpoint, source.hashes))
+    handle = peer.prepare_request(ctx, kv_transfer(source.hashes))
+    wait_until(lambda: peer.preparation_ready(handle), what=f"{rid} prepared")
+    return peer.lookup(rid, kv_transfer(source.hashes))
+
+
+def make_keys(tmp_path, name):
+    public, secret = zmq.auth.create_certificates(tmp_path, name)
+    return public, secret
+
+
+def key_dir(tmp_path, name, **as_host):
+    """A public-key directory holding ``{file stem: public key file}``."""
+    directory = tmp_path / name
+    directory.mkdir()
+    for stem, public in as_host.items():
+        shutil.copy(public, directory / f"{stem}.key")
+    return str(directory)
+
+
+# ---- real kvcr + NIXL over loopback -------------------------------------------------
+
+
+@pytest.mark.kvcr
+def test_peer_at_an_address_outside_the_allowlist_gets_no_pages(source, caplog):
+    """A peer connecting from 127.0.0.2 is refused, counted and logged once; a
+    peer on the allowed 127.0.0.1 still hits the same pages."""
+    caplog.set_level(logging.WARNING, logger=AUTH_LOGGER)
+    a = source()  # default allowlist: its advertised host, 127.0.0.1
+    outsider = make_linker(
+        make_pool("cpu"),
+        control_bind_host="127.0.0.2",
+        peer_endpoint_allowlist=["127.0.0.1"],  # so it may dial a at all
+    )
+    try:
+        assert pull(a, outsider, "out") == []
+        assert outsider.stats.hit_pages == 0
+        wait_until(lambda: refused(a) >= 1, what="refusal counted")
+    finally:
+        outsider.close()
+    warnings = [r for r in caplog.records if "127.0.0.2" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+    before = refused(a)
+    insider = make_linker(make_pool("cpu"))
+    try:
+        assert pull(a, insider, "in") == [1, 2]
+    finally:
+        insider.close()
+    assert refused(a) == before
+
+
+@pytest.mark.kvcr
+def test_with_curve_only_a_peer_holding_an_allowed_key_hits(source, tmp_path):
+    """CURVE on: a peer whose key is not in the source's key directory gets
+    nothing and is counted; a keyed peer hits (and is dialed back with its key)."""
+    a_pub, a_sec = make_keys(tmp_path, "a")
+    b_pub, b_sec = make_keys(tmp_path, "b")
+    _, c_sec = make_keys(tmp_path, "c")
+    a = source(
+        control_curve_secret_key_file=a_sec,
+        control_curve_public_keys_dir=key_dir(
+            tmp_path, "a_dir", **{"127.0.0.1": b_pub}
+        ),
+    )
+    stranger = make_linker(
+        make_pool("cpu"),
+        control_curve_secret_key_file=c_sec,
+        control_curve_public_keys_dir=key_dir(
+            tmp_path, "c_dir", **{"127.0.0.1": a_pub}
+        ),
+    )
+    try:
+        assert pull(a, stranger, "stranger") == []
+        wait_until(lambda: refused(a) >= 1, what="unknown key counted")
+    finally:
+        stranger.close()
+    before = refused(a)
+    keyed = make_linker(
+        make_pool("cpu"),
+        control_curve_secret_key_file=b_sec,
+        control_curve_public_keys_dir=key_dir(
+            tmp_path, "b_dir", **{"127.0.0.1": a_pub}
+        ),
+    )
+    try:
+        assert pull(a, keyed, "keyed") == [1, 2]
+        assert refused(keyed) == 0
+    finally:
+        keyed.close()
+    assert refused(a) == before
+
+
+# ---- the guard and the config, without kvcr -----------------------------------------
+
+
+def test_guard_matches_cidrs_names_and_mapped_addresses_and_warns_once(caplog):
+    """Entries use the peer_endpoint_allowlist grammar; ports do not apply."""
+    caplog.set_level(logging.WARNING, logger=AUTH_LOGGER)
+    guard = InboundGuard(["10.1.0.0/16:7000", "localhost", "[fd00::1]:1-2"])
+    guard.load()
+    assert guard.allows("10.1.2.3", b"NULL", [])
+    assert guard.allows("::ffff:10.1.0.9", b"NULL", [])
+    assert guard.allows("127.0.0.1", b"NULL", [])  # localhost resolves here
+    assert guard.allows("fd00::1", b"NULL", [])
+    assert not guard.allows("10.2.0.1", b"NULL", [])
+    assert not guard.allows("10.2.0.1", b"NULL", [])
+    assert not guard.allows("not-an-ip", b"NULL", [])
+    assert guard.refused == 3
+    assert len([r for r in caplog.records if "10.2.0.1" in r.getMessage()]) == 1
+
+
+def test_guard_with_curve_refuses_missing_and_unknown_keys(tmp_path):
+    a_pub, a_sec = make_keys(tmp_path, "a")
+    b_pub, _ = make_keys(tmp_path, "b")
+    guard = InboundGuard(
+        ["127.0.0.1"],
+        secret_key_file=a_sec,
+        public_keys_dir=key_dir(tmp_path, "d", b=b_pub),
+    )
+    guard.load()
+    from zmq.utils import z85
+
+    b_raw = z85.decode(zmq.auth.load_certificate(b_pub)[0])
+    a_raw = z85.decode(zmq.auth.load_certificate(a_pub)[0])
+    assert guard.allows("127.0.0.1", b"CURVE", [b_raw])
+    assert not guard.allows("127.0.0.1", b"CURVE", [a_raw])
+    assert not guard.allows("127.0.0.1", b"NULL", [])
+    assert not guard.allows("127.0.0.2", b"CURVE", [b_raw])
+    assert guard.refused == 3
+
+
+def test_outgoing_connections_leave_from_a_specific_bind_host():
+    assert (
+        InboundGuard([], source_host="127.0.0.2").client_endpoint("tcp://h:1")
+        == "tcp://127.0.0.2:0;h:1"
+    )
+    assert InboundGuard([], source_host="0.0.0.0").client_endpoint("tcp://h:1") == (
+        "tcp://h:1"
+    )
+
+
+def _config(**fields):
+    return KVCRLinkerConfig.from_dict({"local_dram_bytes_per_worker": 1, **fields})
+
+
+def test_curve_config_is_validated_naming_the_field_and_the_fix(tmp_path):
+    pub, sec = make_keys(tmp_path, "w")
+    good = key_dir(tmp_path, "keys", peer=pub)
+    cfg = _config(control_curve_secret_key_file=sec, control_curve_public_keys_dir=good)
+    assert cfg.control_curve_public_keys_dir == good
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    garbage = tmp_path / "garbage.key_secret"
+    garbage.write_text("not a certificate\n")
+    bad_dir = key_dir(tmp_path, "bad")
+    (tmp_path / "bad" / "x.key").write_text("nothing here\n")
+    cases = [
+        ({"control_curve_secret_key_file": sec}, "control_curve_public_keys_dir"),
+        ({"control_curve_public_keys_dir": good}, "control_curve_secret_key_file"),
+        (
+            {
+                "control_curve_secret_key_file": str(tmp_path / "missing"),
+                "control_curve_public_keys_dir": good,
+            },
+            "control_curve_secret_key_file",
+        ),
+        (  # the public half given as the secret key
+            {
+                "control_curve_secret_key_file": pub,
+                "control_curve_public_keys_dir": good,
+            },
+            "control_curve_secret_key_file",
+        ),
+        (
+            {
+                "control_curve_secret_key_file": str(garbage),
+                "control_curve_public_keys_dir": good,
+            },
+            "control_curve_secret_key_file",
+        ),
+        (
+            {
+                "control_curve_secret_key_file": sec,
+                "control_curve_public_keys_dir": str(empty),
+            },
+            "control_curve_public_keys_dir",
+        ),
+        (
+            {
+                "control_curve_secret_key_file": sec,
+                "control_curve_public_keys_dir": sec,
+            },
+            "control_curve_public_keys_dir",
+        ),
+        (
+            {
+                "control_curve_secret_key_file": sec,
+                "control_curve_public_keys_dir": bad_dir,
+            },
+            "control_curve_public_keys_dir",
+        ),
+    ]
+    for fields, name in cases:
+        with pytest.raises(KVCRConfigError, match=f"field '{name}'"):
+            _config(**fields)

@@ -1,0 +1,390 @@
+"""The compatibility digest covers everything that changes the KV bytes.
+
+Identity part: each server setting that changes KV (weight quantization, config
+overrides, KV scales, dtypes, load format, draft revision) and the checkpoint's
+*content* (tiny model directories: a copy under another path shares, other weights
+under one path do not). Weight updates: through the real (hooked)
+``SchedulerWeightUpdaterManager`` methods on a real CPU stack with a real KVCR, an
+update makes the linker refuse every page until the flush, which re-keys KVCR.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from array import array
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+from cpu_harness import kvcr_stack, tiny_model
+from sglang.srt.mem_cache.storage.kvcr import integration, model_identity
+from sglang.srt.mem_cache.storage.kvcr.kvcr_direct_linker import (
+    kvcache_layout_identity,
+)
+from sglang.srt.mem_cache.storage.kvcr.kvcr_layout import PageLayout
+from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
+
+pytestmark = pytest.mark.kvcr
+
+PAGE = 4
+WAIT_S = 10.0
+
+
+# ---- checkpoints ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> SimpleNamespace:
+    """``a``: the tiny model; ``copy``: the same files elsewhere; ``other``: the
+    same files but for weights from another seed (same names and sizes)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    a = shutil.copytree(tiny_model.ensure_tiny_model(), root / "a")
+    copy = shutil.copytree(a, root / "copy")
+    other = shutil.copytree(a, root / "other")
+    write_other_weights(other)
+    return SimpleNamespace(a=Path(a), copy=Path(copy), other=Path(other))
+
+
+def write_other_weights(path: Path) -> None:
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    with mock.patch.object(tiny_model, "SEED", tiny_model.SEED + 1):
+        tiny_model._write_weights(path, vocab_size=vocab)
+
+
+def server_args(**kw: Any) -> SimpleNamespace:
+    base: dict[str, Any] = {
+        "model_path": "org/model",
+        "revision": None,
+        "load_format": "auto",
+        "dtype": "auto",
+        "kv_cache_dtype": "auto",
+        "quantization": None,
+        "quantization_param_path": None,
+        "json_model_override_args": "{}",
+        "speculative_algorithm": None,
+        "speculative_draft_model_path": None,
+        "speculative_draft_model_revision": None,
+    }
+    return SimpleNamespace(**{**base, **kw})
+
+
+def digest(args: Any) -> str:
+    pool = MHATokenToKVPool(
+        64, PAGE, torch.bfloat16, 2, 8, 2, device="cpu", enable_memory_saver=False
+    )
+    identity = kvcache_layout_identity(args, 0, 1)
+    return PageLayout.from_kv_pool(pool, PAGE, identity=identity).compatibility_digest
+
+
+SETTINGS = {
+    "quantization": {"quantization": "fp8"},
+    "json_model_override_args": {
+        "json_model_override_args": '{"rope_scaling": {"type": "linear", "factor": 2}}'
+    },
+    "quantization_param_path": {"quantization_param_path": "/scales/kv.json"},
+    "speculative_draft_model_revision": {
+        "speculative_algorithm": "EAGLE",
+        "speculative_draft_model_path": "org/draft",
+        "speculative_draft_model_revision": "v2",
+    },
+    "kv_cache_dtype": {"kv_cache_dtype": "fp8_e5m2"},
+    "dtype": {"dtype": "float16"},
+    "load_format_dummy": {"load_format": "dummy"},
+    "revision": {"revision": "rev-b"},
+    "model_path_hub_id": {"model_path": "org/other-model"},
+}
+
+
+@pytest.mark.parametrize("change", list(SETTINGS), ids=list(SETTINGS))
+def test_each_kv_changing_setting_changes_the_digest(change: str):
+    """One setting differs from the baseline: the digest differs."""
+    assert digest(server_args(**SETTINGS[change])) != digest(server_args())
+
+
+def test_draft_revision_changes_the_digest_of_a_speculative_worker():
+    """Same draft path, another draft revision: other draft KV."""
+    draft = {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "o/d"}
+    v1 = server_args(**draft, speculative_draft_model_revision="v1")
+    v2 = server_args(**draft, speculative_draft_model_revision="v2")
+    assert digest(v1) != digest(v2)
+
+
+def test_settings_that_do_not_change_kv_bytes_keep_the_digest():
+    """An empty override and an override spelled with other key order are equal."""
+    assert digest(server_args(json_model_override_args="")) == digest(server_args())
+    spaced = server_args(json_model_override_args='{"b": 1, "a": {"c": 2}}')
+    assert digest(spaced) == digest(
+        server_args(json_model_override_args='{"a":{"c":2},"b":1}')
+    )
+
+
+def test_kv_scale_file_is_hashed_by_content(tmp_path):
+    """Same path, other scales: other digest; same scales elsewhere: same digest."""
+    scales, moved = tmp_path / "kv.json", tmp_path / "moved.json"
+    scales.write_text('{"k_scale": 0.5}')
+    moved.write_text('{"k_scale": 0.5}')
+    before = digest(server_args(quantization_param_path=str(scales)))
+    assert digest(server_args(quantization_param_path=str(moved))) == before
+    scales.write_text('{"k_scale": 0.25}')
+    assert digest(server_args(quantization_param_path=str(scales))) != before
+
+
+def test_same_checkpoint_content_under_two_paths_shares_the_digest(checkpoints):
+    assert checkpoints.a != checkpoints.copy
+    assert digest(server_args(model_path=str(checkpoints.a))) == digest(
+        server_args(model_path=str(checkpoints.copy))
+    )
+
+
+def test_other_weights_of_the_same_names_and_sizes_change_the_digest(checkpoints):
+    """A seed change (same tensor names, shapes and file size) is other weights."""
+    a, other = (
+        checkpoints.a / "model.safetensors",
+        checkpoints.other / "model.safetensors",
+    )
+    assert a.stat().st_size == other.stat().st_size
+    assert a.read_bytes() != other.read_bytes()
+    assert digest(server_args(model_path=str(checkpoints.a))) != digest(
+        server_args(model_path=str(checkpoints.other))
+    )
+
+
+def test_other_weights_under_one_path_change_the_digest(tmp_path, checkpoints):
+    path = Path(shutil.copytree(checkpoints.a, tmp_path / "model"))
+    before = digest(server_args(model_path=str(path)))
+    write_other_weights(path)
+    assert digest(server_args(model_path=str(path))) != before
+
+
+def test_another_config_json_changes_the_digest(tmp_path, checkpoints):
+    path = Path(shutil.copytree(checkpoints.a, tmp_path / "model"))
+    before = digest(server_args(model_path=str(path)))
+    config = json.loads((path / "config.json").read_text())
+    config["rope_theta"] = 1234.0
+    (path / "config.json").write_text(json.dumps(config))
+    assert digest(server_args(model_path=str(path))) != before
+
+
+def test_dummy_weights_ignore_the_files_but_not_the_config(checkpoints):
+    """Dummy weights are random: not the checkpoint's weights, whatever its files."""
+    real = digest(server_args(model_path=str(checkpoints.a)))
+    dummy_a = digest(server_args(model_path=str(checkpoints.a), load_format="dummy"))
+    dummy_other = digest(
+        server_args(model_path=str(checkpoints.other), load_format="dummy")
+    )
+    assert dummy_a != real
+    assert dummy_a == dummy_other  # same config.json, weights not read
+
+
+def test_hub_cache_blob_names_are_used_as_content_hashes(tmp_path):
+    """A snapshot symlink into HF's blobs/ is fingerprinted by the blob's SHA-256."""
+    blobs, snap = tmp_path / "blobs", tmp_path / "snap"
+    blobs.mkdir()
+    snap.mkdir()
+    name = "ab" * 32
+    (blobs / name).write_bytes(b"x" * 100)
+    (snap / "model.safetensors").symlink_to(blobs / name)
+    fp = model_identity.weights_fingerprint(str(snap), "", "auto")
+    (blobs / name).write_bytes(b"y" * 100)  # the name, not the bytes, is trusted
+    assert model_identity.weights_fingerprint(str(snap), "", "auto") == fp
+    other = "cd" * 32
+    (blobs / other).write_bytes(b"x" * 100)
+    (snap / "model.safetensors").unlink()
+    (snap / "model.safetensors").symlink_to(blobs / other)
+    assert model_identity.weights_fingerprint(str(snap), "", "auto") != fp
+
+
+# ---- weight updates on a real stack ---------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugin_hooks() -> None:
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    missing = [t for t, ok in integration.installed_hooks().items() if not ok]
+    assert not missing, f"load_plugins() left {missing} unhooked"
+
+
+@pytest.fixture
+def stack() -> Iterator[Any]:
+    config = {
+        "local_dram_bytes_per_worker": 4 * 1024 * 1024,
+        "operation_timeout_ms": 5000,
+        "abandon_timeout_ms": 10000,
+        "preparation_timeout_ms": 10_000,
+    }
+    s = kvcr_stack.build_stack(config, kvcr_stack.Geometry(PAGE, 2, 2, 8, 256))
+    try:
+        yield s
+    finally:
+        s.linker.close()
+
+
+def weight_manager(cache: Any) -> Any:
+    """A real ``SchedulerWeightUpdaterManager`` whose runner loads nothing and
+    whose flush is the tree's reset (as ``Scheduler.flush_cache`` does)."""
+    from sglang.srt.managers.scheduler_components.weight_updater import (
+        SchedulerWeightUpdaterManager,
+    )
+
+    def flush(empty_cache: bool = True) -> bool:
+        cache.reset()
+        return True
+
+    runner = SimpleNamespace(
+        weight_updater=SimpleNamespace(
+            update_weights_from_disk=lambda *a, **kw: (True, "ok"),
+            update_weights_from_tensor=lambda **kw: (True, "ok"),
+        )
+    )
+    manager = object.__new__(SchedulerWeightUpdaterManager)
+    manager.tp_worker = SimpleNamespace(
+        weight_update_runners=lambda: [("target", runner)],
+        deserialize_own_rank=lambda blob: [],
+    )
+    manager.draft_worker = None
+    manager.flush_cache = flush
+    manager.metrics_collector = None
+    manager.scheduler = SimpleNamespace(
+        tree_cache=cache, record_weight_version_change=lambda **kw: None
+    )
+    manager._session = None
+    manager.tp_cpu_group = None
+    return manager
+
+
+def update_from_disk(stack: Any, path: Path | str, *, flush: bool = True) -> Any:
+    from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+
+    req = UpdateWeightFromDiskReqInput(model_path=str(path), flush_cache=flush)
+    out = weight_manager(stack.cache).update_weights_from_disk(req)
+    assert out.success, out.message
+    return stack.linker.layout.compatibility_digest
+
+
+def radix_key(tokens: list[int]) -> Any:
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    return RadixKey(array("q", tokens))
+
+
+def insert_commit_evict(stack: Any, tokens: list[int]) -> None:
+    """Put ``tokens`` in KVCR (write-through offload) and off the device."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
+
+    slots = stack.allocator.alloc(len(tokens))
+    stack.cache.insert(InsertParams(key=radix_key(tokens), value=slots))
+    wait_until(lambda: committed(stack.cache), "offloads committed")
+    stack.cache.evict(EvictParams(num_tokens=len(tokens)))
+
+
+def committed(cache: Any) -> bool:
+    cache.check_hicache_events()
+    return not cache.linker.pending_offloads
+
+
+def wait_until(predicate: Any, what: str) -> None:
+    import time
+
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not reached in {WAIT_S} s")
+        time.sleep(0.01)
+
+
+def prepared_hit(stack: Any, rid: str, tokens: list[int], *, check=None) -> int:
+    """Prepare ``tokens + [1]`` like the enqueue hook; optionally run ``check``
+    between preparation and lookup; the host hit length its lookup reports."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req(rid, "", array("q", [*tokens, 1]), SamplingParams(max_new_tokens=1))
+    integration.wrapper_prepare_request(stack.cache.linker, req)
+    handle = LinkerRequestContext(req.rid, req.cache_request_handle.attempt_id).handle
+    wait_until(lambda: stack.linker.preparation_ready(handle), f"{rid} prepared")
+    if check is not None:
+        check()
+    req.init_next_round_input(stack.cache)
+    hit = int(req.host_hit_length)
+    stack.linker.release_request(rid)
+    return hit
+
+
+def test_weight_update_refuses_pages_until_the_flush_re_keys_kvcr(stack):
+    """Without the flush the update still turns every lookup into a miss (pages
+    prepared before it too); the flush changes the digest and KVCR works again."""
+    tokens = list(range(100, 100 + 4 * PAGE))
+    insert_commit_evict(stack, tokens)
+    assert prepared_hit(stack, "before", tokens) == len(tokens)
+    old = stack.linker.layout.compatibility_digest
+
+    def update_without_flush() -> None:
+        assert update_from_disk(stack, "/nonexistent/new-weights", flush=False) == old
+        assert stack.linker.weights_pending
+
+    assert prepared_hit(stack, "prepared", tokens, check=update_without_flush) == 0
+
+    def nothing_fetched() -> None:
+        assert stack.linker.claims_held() == 0  # no page of the old weights
+
+    assert prepared_hit(stack, "after", tokens, check=nothing_fetched) == 0
+    assert stack.linker.stats.refused_weights_changed >= 2
+
+    stack.cache.reset()  # /flush_cache
+    assert not stack.linker.weights_pending
+    assert stack.linker.layout.compatibility_digest != old
+    insert_commit_evict(stack, tokens)  # keyed with the new digest
+    assert prepared_hit(stack, "new", tokens) == len(tokens)
+
+
+def test_disk_update_keys_by_checkpoint_content(stack, checkpoints):
+    """The same weights under another path give the same digest, other weights
+    another; an in-memory (tensor) update gives one no disk checkpoint has."""
+    start = stack.linker.layout.compatibility_digest
+    a = update_from_disk(stack, checkpoints.a)
+    assert a != start
+    assert update_from_disk(stack, checkpoints.copy) == a
+    assert update_from_disk(stack, checkpoints.other) != a
+    assert not stack.linker.weights_pending
+
+    from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+    manager = weight_manager(stack.cache)
+    manager._session = SimpleNamespace(selector="all", loaded_weights=False)
+    with (
+        mock.patch("msgspec.structs.replace", lambda s, **kw: s),
+        mock.patch("torch.distributed.barrier"),
+    ):
+        out = manager.update_weights_from_tensor(
+            UpdateWeightsFromTensorReqInput(serialized_named_tensors=[])
+        )
+    assert out.success, out.message
+    tensor = stack.linker.layout.compatibility_digest
+    assert tensor not in (start, a)
+    assert update_from_disk(stack, checkpoints.copy) == a
+
+
+def test_a_failed_update_leaves_the_worker_refusing_pages(stack):
+    """A disk update that fails announces unknown weights: refused until a flush."""
+    from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+
+    manager = weight_manager(stack.cache)
+    runner = manager.tp_worker.weight_update_runners()[0][1]
+    runner.weight_updater.update_weights_from_disk = lambda *a, **kw: (False, "bad")
+    old = stack.linker.layout.compatibility_digest
+    out = manager.update_weights_from_disk(
+        UpdateWeightFromDiskReqInput(model_path="/nonexistent")
+    )
+    assert not out.success
+    assert stack.linker.weights_pending
+    stack.cache.reset()
+    assert stack.linker.layout.compatibility_digest != old

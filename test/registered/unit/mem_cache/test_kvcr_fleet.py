@@ -1,0 +1,338 @@
+"""Fleet correctness: no request fails or waits for another's sake, stale state
+never decides, and a worker stuck with quarantined DRAM stops growing it.
+
+One restore verdict per request (a request whose claims went missing is aborted
+alone, the rest of its batch runs on restored KV); a failed copy pauses restores
+for a while instead of for the process's life; resident pages are claimed without
+charging the preparation budget, and a hint whose fetch was refused rides on the
+next; a stale preparation handle never reads a newer attempt; the PD requeue
+prepares the request it was given; a page evicted from any of its KVCR pools
+clears its stored mark; a hint naming the worker itself is served from local
+residency; past ``max_quarantined_cores`` peer fetches stop.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+import torch
+
+from cpu_harness.kvcr_pages import (
+    PAGE_BYTES,
+    fetch_hint,
+    fill_random,
+    hashes_for,
+    kv_transfer,
+    make_linker,
+    make_pool,
+    offload_and_commit,
+    page_bytes,
+    prepare,
+    stall_owner,
+    wait_until,
+    wrong_bytes,
+)
+from sglang.srt.mem_cache.storage.kvcr import integration
+from sglang.srt.mem_cache.storage.kvcr import kvcr_direct_linker as linker_mod
+from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import InventoryChange
+from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
+    LinkerRequestContext,
+    PreparationHandle,
+)
+
+pytestmark = pytest.mark.kvcr
+
+
+@pytest.fixture
+def pool():
+    return make_pool("cpu")
+
+
+@pytest.fixture
+def linker(pool):
+    lk = make_linker(pool)
+    yield lk
+    lk.close()
+
+
+class _Wrapper:
+    """What ``UnifiedCacheLinkerWrapper.finish_loads`` reads and writes."""
+
+    def __init__(self, linker, rids, index):
+        self.cache_linker = linker
+        self.inflight_load_rids = list(rids)
+        self.inflight_load_index = index
+        self.private_load_indices = {rid: object() for rid in rids}
+        self.reduced = []
+        self.cache = SimpleNamespace(
+            _all_reduce_attn_groups=lambda t, op: self.reduced.append(t.tolist())
+        )
+
+
+def test_a_request_whose_claims_went_missing_is_aborted_alone(pool, linker):
+    """Two loads in one batch, one of them without its claims: only that request
+    is reported failed; the other's KV lands bit-exact and it runs."""
+    fill_random(pool, [1, 2, 3, 4], seed=21)
+    want = [page_bytes(pool, p) for p in (1, 2)]
+    good, bad = hashes_for(2, "good"), hashes_for(2, "bad")
+    assert offload_and_commit(linker, good, [1, 2], "cpu") is True
+    assert offload_and_commit(linker, bad, [3, 4], "cpu") is True
+    prepare(linker, "good", good)
+    prepare(linker, "bad", bad)
+    linker._preps["bad"].landed.pop(1)  # one claim gone (e.g. a failed fetch)
+    assert linker.load("good", kv_transfer(good, [20, 21])) is True
+    assert linker.load("bad", kv_transfer(bad, [22, 23])) is True
+    index = linker.start_layer_wise_loading()
+    wrapper = _Wrapper(linker, ["good", "bad"], index)
+    failed = integration._around_finish_loads(
+        lambda w: pytest.fail("the batch-wide verdict ran"), wrapper
+    )
+    assert failed == ["bad"]
+    assert wrapper.reduced == [[1, 0]]  # one flag per request, MIN-reduced
+    assert wrapper.private_load_indices == {} and wrapper.inflight_load_rids == []
+    assert wrong_bytes(pool, [20, 21], want) == 0
+    wait_until(lambda: linker.claims_held() == 0, what="claims released")
+
+
+def test_linkers_without_per_request_verdicts_keep_the_batch_verdict():
+    calls = []
+    wrapper = SimpleNamespace(cache_linker=object())
+    out = integration._around_finish_loads(lambda w: calls.append(w) or ["x"], wrapper)
+    assert out == ["x"] and calls == [wrapper]
+
+
+def test_a_failed_copy_pauses_restores_then_they_resume(pool, linker, monkeypatch):
+    """A copy error fails its batch and pauses restores; once the pause is over,
+    a fresh batch restores normally (not disabled for the process's life)."""
+    monkeypatch.setattr(linker_mod, "_RESTORE_PAUSE_S", 0.3)
+    fill_random(pool, [1, 2], seed=17)
+    want = [page_bytes(pool, p) for p in (1, 2)]
+    hashes = hashes_for(2, "cf")
+    assert offload_and_commit(linker, hashes, [1, 2], "cpu") is True
+    prepare(linker, "cf", hashes)
+    real = linker._copy_batch
+
+    def broken(*args):
+        raise RuntimeError("injected copy failure")
+
+    linker._copy_batch = broken  # a device copy cannot be made to fail for real
+    assert linker.load("cf", kv_transfer(hashes, [30, 31])) is True
+    assert linker.finish_layer_wise_loading(linker.start_layer_wise_loading()) is False
+    assert linker.stats.restore_copy_failures == 1
+    linker._copy_batch = real
+    handle = linker.prepare_request(LinkerRequestContext("cf2"), kv_transfer(hashes))
+    wait_until(lambda: linker.preparation_ready(handle), what="prepared")
+    assert linker.lookup("cf2", kv_transfer(hashes)) == []  # paused
+    assert linker.stats.miss_restore_disabled == 1
+    linker.release_request("cf2")
+    wait_until(
+        lambda: linker.lookup("probe", kv_transfer(hashes)) == []
+        and linker.stats.miss_unprepared > 0,
+        what="the pause to end",
+    )
+    prepare(linker, "cf3", hashes)
+    assert linker.load("cf3", kv_transfer(hashes, [40, 41])) is True
+    assert linker.finish_layer_wise_loading(linker.start_layer_wise_loading()) is True
+    assert wrong_bytes(pool, [40, 41], want) == 0
+
+
+def test_a_stale_handle_never_reads_a_newer_attempts_readiness(pool, linker):
+    """Attempt 1 is still fetching: attempt 0's handle is not held back by it,
+    attempt 1's is; a handle is a typed value, not a string to split."""
+    fill_random(pool, [1, 2], seed=3)
+    hashes = hashes_for(2, "att")
+    assert offload_and_commit(linker, hashes, [1, 2], "cpu") is True
+    release = stall_owner(linker)
+    try:
+        old = linker.prepare_request(LinkerRequestContext("r", 0), kv_transfer(hashes))
+        new = linker.prepare_request(LinkerRequestContext("r", 1), kv_transfer(hashes))
+        assert old == PreparationHandle("r", 0) and str(new) == "r#1"
+        assert linker.preparation_ready(new) is False
+        assert linker.preparation_ready(old) is True
+    finally:
+        release()
+    wait_until(lambda: linker.preparation_ready(new), what="attempt 1 prepared")
+    linker.release_request("r")
+
+
+def test_pd_requeue_prepares_the_request_it_was_given():
+    """``optimistic_release_and_requeue(req)`` may put ``req`` anywhere in the
+    queue: the hook prepares that request, not whichever is first."""
+    first, requeued = SimpleNamespace(rid="first"), SimpleNamespace(rid="again")
+    scheduler = SimpleNamespace(tree_cache=object(), waiting_queue=[first, requeued])
+    with (
+        mock.patch.object(integration, "_preparing_backend", return_value=object()),
+        mock.patch.object(integration, "_prepare_safely") as prep,
+    ):
+        integration._after_optimistic_requeue(None, scheduler, requeued)
+        integration._after_optimistic_requeue(None, scheduler, req=requeued)
+    assert [c.args[1] for c in prep.call_args_list] == [requeued, requeued]
+
+
+def test_a_page_evicted_from_any_pool_is_reported_removed(pool):
+    """The stored mark of a page must clear when KVCR evicts its object from any
+    pool (here the draft pool), not only from the first one; each page once."""
+    lk = make_linker(pool, draft_pools=(make_pool("cpu"),))
+    try:
+        kv, draft = (p.name for p in lk.layout.pools)
+        hashes = hashes_for(3, "ev")
+        keys = (
+            lk.layout.block_key(hashes[0], kv),
+            lk.layout.block_key(hashes[1], draft),  # only the draft object
+            lk.layout.block_key(hashes[2], draft),
+            lk.layout.block_key(hashes[2], kv),
+            b"not-one-of-ours",
+        )
+        lk._on_inventory(InventoryChange(keys=keys, removed=True))
+        assert lk.take_removed_page_hashes() == sorted(hashes)
+        assert lk.stats.evicted_pages == 3
+    finally:
+        lk.close()
+
+
+def test_a_hint_naming_this_worker_is_served_from_local_residency(pool, linker):
+    """A router that names the worker itself: no NIXL transfer to itself (KVCR
+    would log ``remote agent name same as local agent`` per request); resident
+    pages restore, the others are a plain miss, and the case is counted."""
+    fill_random(pool, [1, 2], seed=8)
+    want = [page_bytes(pool, p) for p in (1, 2)]
+    hashes = hashes_for(3, "self")
+    assert offload_and_commit(linker, hashes[:2], [1, 2], "cpu") is True
+    fetches = linker._adapter.stats().fetches
+    handle = linker.prepare_request(
+        LinkerRequestContext("s", 0, fetch_hint(linker.endpoint, hashes)),
+        kv_transfer(hashes),
+    )
+    wait_until(lambda: linker.preparation_ready(handle), what="prepared")
+    assert linker.stats.hints_self == 1
+    assert linker._adapter.stats().fetches - fetches == 1  # local pages only
+    assert linker.lookup("s", kv_transfer(hashes)) == [1, 2]
+    assert linker.load("s", kv_transfer(hashes[:2], [10, 11])) is True
+    assert linker.finish_layer_wise_loading(linker.start_layer_wise_loading())
+    assert wrong_bytes(pool, [10, 11], want) == 0
+    assert torch.equal(page_bytes(pool, 10), want[0])
+
+
+def test_a_burst_of_resident_arrivals_all_restore_within_a_small_budget(pool):
+    """Local residency claims move no bytes, so they are not charged: eight
+    requests arriving together, each larger than the whole preparation budget
+    (the default 512 MiB against 329 MiB per 3000-token Qwen3-0.6B request is
+    the same shape), are all prepared and all restore."""
+    pages, n = 4, 8
+    lk = make_linker(pool, max_inflight_prepare_bytes=3 * PAGE_BYTES)  # < 1 request
+    try:
+        prompts = [hashes_for(pages, f"burst{i}") for i in range(n)]
+        fill_random(pool, list(range(1, 1 + pages * n)), seed=30)
+        want = [page_bytes(pool, p) for p in range(1, 1 + pages * n)]
+        for i, hashes in enumerate(prompts):
+            src = list(range(1 + i * pages, 1 + (i + 1) * pages))
+            assert offload_and_commit(lk, hashes, src, "cpu") is True
+        handles = [
+            lk.prepare_request(LinkerRequestContext(f"b{i}"), kv_transfer(h))
+            for i, h in enumerate(prompts)  # all submitted before any completes
+        ]
+        for handle in handles:
+            wait_until(lambda h=handle: lk.preparation_ready(h), what="burst ready")
+        assert lk._adapter.stats().refused_prepare == 0
+        for i, hashes in enumerate(prompts):
+            assert lk.lookup(f"b{i}", kv_transfer(hashes)) == list(range(1, pages + 1))
+            dest = list(range(40, 40 + pages))
+            assert lk.load(f"b{i}", kv_transfer(hashes, dest)) is True
+            assert lk.finish_layer_wise_loading(lk.start_layer_wise_loading())
+            assert wrong_bytes(pool, dest, want[i * pages : (i + 1) * pages]) == 0
+    finally:
+        lk.close()
+
+
+def test_a_hint_whose_fetch_was_refused_rides_on_the_requests_next_fetch(pool):
+    """The hint is attached to one fetch; when the budget refuses that fetch the
+    adapter keeps the hint and the request's next admitted fetch carries it."""
+    from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import DiscardHint, Fetch
+
+    lk = make_linker(pool, max_inflight_prepare_bytes=PAGE_BYTES)
+    adapter = lk._adapter
+    seen = []
+
+    def spy(kv):
+        real = kv.submit_hint
+        kv.submit_hint = lambda hint, rid: (seen.append(rid), real(hint, rid))[1]
+
+    adapter.call(spy, timeout_s=10)
+    try:
+        release = stall_owner(lk)  # keep the first fetch (and its charge) in flight
+        keys = tuple(lk.layout.block_key(h, "kv") for h in hashes_for(2, "miss"))
+        labels = tuple(lk.layout.pools[0].part_labels)
+        hint = fetch_hint("tcp://127.0.0.1:1", hashes_for(1, "h")).copy()
+        big = Fetch(
+            op_id=adapter.next_op_id(),
+            keys=keys,
+            request_id="other#0",
+            expected_layout=labels,
+            nbytes=2 * PAGE_BYTES,
+        )
+        first = Fetch(
+            op_id=adapter.next_op_id(),
+            keys=keys[:1],
+            request_id="r#0",
+            expected_layout=labels,
+            nbytes=PAGE_BYTES,
+            hint=hint,
+        )
+        adapter.submit(big)
+        adapter.submit(first)  # over budget: refused, its hint kept
+        assert adapter.stats().refused_prepare == 1
+        release()
+        wait_until(lambda: adapter.stats().inflight_prepare_bytes == 0, what="drained")
+        second = Fetch(
+            op_id=adapter.next_op_id(),
+            keys=keys[1:],
+            request_id="r#0",
+            expected_layout=labels,
+            nbytes=PAGE_BYTES,
+        )
+        adapter.submit(second)
+        wait_until(lambda: seen == ["r#0"], what="hint submitted with the next fetch")
+        adapter.submit(DiscardHint("r#0"))
+        adapter.wait_idle(10)
+        lk._pump()
+    finally:
+        lk.close()
+
+
+def test_peer_fetches_stop_once_quarantined_dram_reaches_its_bound(pool):
+    """A flush that cannot prove quiescence quarantines a DRAM share; at the
+    bound the worker stops taking peer fetches (hints ignored and counted), so no
+    later flush can be held up by a peer again; local restores go on."""
+    lk = make_linker(pool, max_quarantined_cores=1)
+    try:
+        hashes = hashes_for(2, "quar")
+        peer_hint = fetch_hint("tcp://127.0.0.1:1", hashes)
+        handle = lk.prepare_request(
+            LinkerRequestContext("h0", 0, peer_hint), kv_transfer(hashes)
+        )
+        assert lk.stats.hints_quarantine_off == 0
+        lk.release_request("h0")
+        del handle
+        real_close = lk._adapter.close
+        lk._adapter.close = lambda timeout_s=None: (real_close(timeout_s), False)[1]
+        lk.reset()  # the old core "could not close": its DRAM is quarantined
+        assert lk.quarantined_bytes() > 0 and "peer_fetches_off=1" in lk.stats_line()
+        fetches = lk._adapter.stats().fetches
+        handle = lk.prepare_request(
+            LinkerRequestContext("h1", 0, peer_hint), kv_transfer(hashes)
+        )
+        assert lk.preparation_ready(handle)  # nothing to fetch: ready at once
+        assert lk.stats.hints_quarantine_off == 1
+        assert lk._adapter.stats().fetches == fetches
+        fill_random(pool, [5], seed=9)
+        want = [page_bytes(pool, 5)]
+        local = hashes_for(1, "local-after")
+        assert offload_and_commit(lk, local, [5], "cpu") is True
+        prepare(lk, "loc", local)
+        assert lk.load("loc", kv_transfer(local, [9])) is True
+        assert lk.finish_layer_wise_loading(lk.start_layer_wise_loading())
+        assert wrong_bytes(pool, [9], want) == 0
+    finally:
+        lk.close()
