@@ -60,6 +60,7 @@ def build_cache(
     g = geometry
     server_args = ServerArgs(
         model_path="dummy",  # skips SGLang's HF config resolution (offline)
+        load_format="dummy",  # no weights: workers of one test share a digest
         page_size=g.page,
         device="cpu",
         enable_unified_cache_external_linker=True,
@@ -190,7 +191,10 @@ def bare_linker(
     from sglang.srt.mem_cache.storage.kvcr.kvcr_direct_linker import KVCRDirectLinker
 
     server_args = SimpleNamespace(
-        model_path=model, revision=None, speculative_draft_model_path=draft
+        model_path=model,
+        revision=None,
+        speculative_draft_model_path=draft,
+        load_format="dummy",  # no weights: the pages' digest is the layout's
     )
     cache_params = SimpleNamespace(
         token_to_kv_pool_allocator=allocator or PoolAllocator(pool),

@@ -11,6 +11,7 @@ update makes the linker refuse every page until the flush, which re-keys KVCR.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from array import array
 from collections.abc import Iterator
@@ -116,24 +117,39 @@ def test_draft_revision_changes_the_digest_of_a_speculative_worker():
     assert digest(v1) != digest(v2)
 
 
-def test_settings_that_do_not_change_kv_bytes_keep_the_digest():
+def test_settings_that_do_not_change_kv_bytes_keep_the_digest(checkpoints):
     """An empty override and an override spelled with other key order are equal."""
-    assert digest(server_args(json_model_override_args="")) == digest(server_args())
-    spaced = server_args(json_model_override_args='{"b": 1, "a": {"c": 2}}')
+    local = {"model_path": str(checkpoints.a)}
+    assert digest(server_args(json_model_override_args="", **local)) == digest(
+        server_args(**local)
+    )
+    spaced = server_args(json_model_override_args='{"b": 1, "a": {"c": 2}}', **local)
     assert digest(spaced) == digest(
-        server_args(json_model_override_args='{"a":{"c":2},"b":1}')
+        server_args(json_model_override_args='{"a":{"c":2},"b":1}', **local)
     )
 
 
-def test_kv_scale_file_is_hashed_by_content(tmp_path):
+def test_weights_nothing_here_can_identify_share_with_no_other_worker(checkpoints):
+    """A hub id with no local snapshot, or a load format that does not read the
+    files (weights from a remote instance, IPC, a cache): two workers never
+    share, even with identical arguments."""
+    for args in (
+        {"model_path": "org/not-cached-anywhere"},
+        {"model_path": str(checkpoints.a), "load_format": "remote_instance"},
+    ):
+        assert digest(server_args(**args)) != digest(server_args(**args))
+
+
+def test_kv_scale_file_is_hashed_by_content(tmp_path, checkpoints):
     """Same path, other scales: other digest; same scales elsewhere: same digest."""
     scales, moved = tmp_path / "kv.json", tmp_path / "moved.json"
     scales.write_text('{"k_scale": 0.5}')
     moved.write_text('{"k_scale": 0.5}')
-    before = digest(server_args(quantization_param_path=str(scales)))
-    assert digest(server_args(quantization_param_path=str(moved))) == before
+    local = {"model_path": str(checkpoints.a)}
+    before = digest(server_args(quantization_param_path=str(scales), **local))
+    assert digest(server_args(quantization_param_path=str(moved), **local)) == before
     scales.write_text('{"k_scale": 0.25}')
-    assert digest(server_args(quantization_param_path=str(scales))) != before
+    assert digest(server_args(quantization_param_path=str(scales), **local)) != before
 
 
 def test_same_checkpoint_content_under_two_paths_shares_the_digest(checkpoints):
@@ -388,3 +404,21 @@ def test_a_failed_update_leaves_the_worker_refusing_pages(stack):
     assert stack.linker.weights_pending
     stack.cache.reset()
     assert stack.linker.layout.compatibility_digest != old
+
+
+def test_a_change_anywhere_in_a_weight_file_changes_its_fingerprint(tmp_path):
+    """Every byte counts (a sampled hash missed a change between its samples):
+    one changed KiB deep inside a file gives another fingerprint; a copy of the
+    file elsewhere gives the same one."""
+    from sglang.srt.mem_cache.storage.kvcr import model_identity
+
+    data = bytearray(os.urandom(3 << 20))
+    a, b, c = (
+        tmp_path / n for n in ("a.safetensors", "b.safetensors", "c.safetensors")
+    )
+    a.write_bytes(data)
+    b.write_bytes(data)
+    data[1_234_567 : 1_234_567 + 1024] = os.urandom(1024)
+    c.write_bytes(data)
+    fp = [model_identity.weights_fingerprint(str(p), "", "auto") for p in (a, b, c)]
+    assert fp[0] == fp[1] and fp[0] != fp[2]

@@ -90,7 +90,7 @@ def test_a_request_whose_claims_went_missing_is_aborted_alone(pool, linker):
         lambda w: pytest.fail("the batch-wide verdict ran"), wrapper
     )
     assert failed == ["bad"]
-    assert wrapper.reduced == [[1, 0]]  # one flag per request, MIN-reduced
+    assert wrapper.reduced == [[2, -2], [1, 0]]  # the count, then one flag each
     assert wrapper.private_load_indices == {} and wrapper.inflight_load_rids == []
     assert wrong_bytes(pool, [20, 21], want) == 0
     wait_until(lambda: linker.claims_held() == 0, what="claims released")
@@ -336,3 +336,22 @@ def test_peer_fetches_stop_once_quarantined_dram_reaches_its_bound(pool):
         assert wrong_bytes(pool, [9], want) == 0
     finally:
         lk.close()
+
+
+def test_restore_verdicts_fail_closed_when_ranks_or_records_disagree(linker):
+    """A rid the linker has no record of did not land; and if another rank
+    reduces a different number of loading requests, every one is aborted rather
+    than a collective of mismatched size."""
+    wrapper = _Wrapper(linker, ["ghost"], -1)
+    assert integration._around_finish_loads(lambda w: [], wrapper) == ["ghost"]
+
+    wrapper = _Wrapper(linker, ["a", "b"], -1)
+
+    def other_rank_has_three(t, op):
+        if t.tolist() == [2, -2]:
+            t.copy_(torch.tensor([2, -3]))
+        wrapper.reduced.append(t.tolist())
+
+    wrapper.cache._all_reduce_attn_groups = other_rank_has_three
+    assert integration._around_finish_loads(lambda w: [], wrapper) == ["a", "b"]
+    assert wrapper.reduced == [[2, -3]]  # no per-request reduction attempted

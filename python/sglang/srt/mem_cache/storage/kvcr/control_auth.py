@@ -23,6 +23,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import re
 import socket
 import threading
 from collections.abc import Iterable
@@ -196,8 +197,12 @@ class InboundGuard:
         import zmq.auth
 
         host = endpoint[len("tcp://") :].rpartition(":")[0].strip("[]")
+        # Only an address or a plain host name names a key file (a hint's
+        # endpoint must not steer the path out of the keys directory).
+        if not _SAFE_HOST.fullmatch(host):
+            return self._public
         path = os.path.join(self._public_keys_dir, f"{host}.key")
-        if host and os.path.isfile(path):
+        if os.path.isfile(path):
             try:
                 return zmq.auth.load_certificate(path)[0]
             except (OSError, ValueError) as exc:
@@ -237,6 +242,12 @@ def _zap_handler_class() -> type:
         guard: InboundGuard
 
         async def handle_zap_message(self, msg: list[bytes]) -> None:
+            try:
+                self._decide(msg)
+            except Exception:  # the ZAP thread must live on: a dead one stalls
+                logger.exception("KVCR control ZAP handler failed on a request")
+
+        def _decide(self, msg: list[bytes]) -> None:
             if len(msg) < 6:
                 if len(msg) >= 2:
                     self._send_zap_reply(msg[1], b"400", b"Not enough frames")
@@ -246,7 +257,7 @@ def _zap_handler_class() -> type:
                 ok = domain == ZAP_DOMAIN.encode() and self.guard.allows(
                     address.decode("ascii", "replace"), mechanism, list(msg[6:])
                 )
-            except Exception:  # a failing check refuses; the ZAP thread lives on
+            except Exception:  # a failing check refuses
                 logger.exception("KVCR control ZAP check failed; refusing")
                 ok = False
             if ok:
@@ -301,13 +312,16 @@ def _build_guarded_channel_class() -> type:
             self._auth: Any = None
 
         def initialize(self) -> None:
-            # kvcr 0.1.1's initialize(), on a private context (its own ZAP
-            # handler) and with the auth options set before bind.
-            if self._listener is None:
-                self._listener = socket.create_server(
-                    (self._bind_host, self._bind_port)
-                )
             self._guard.load()
+            super().initialize()  # kvcr's own socket: bound, but nobody reads it
+            self._swap_in_guarded_socket()
+
+        def _swap_in_guarded_socket(self) -> None:
+            """Replace kvcr's unchecked PULL socket with one on a private context
+            whose ZAP handler checks every peer. Security options only apply at
+            bind, so the new socket binds again onto the same reserved listener
+            (a second descriptor of it); kvcr's socket is closed unread, and a
+            peer that had connected to it reconnects through the check."""
             ctx = zmq.Context()
             try:
                 auth = zap_handler(ctx)
@@ -318,59 +332,78 @@ def _build_guarded_channel_class() -> type:
                 raise ControlAuthError(
                     f"KVCR control ZAP handler failed to start: {exc}"
                 ) from exc
-            self._ctx, self._auth = ctx, auth
-            sock = ctx.socket(zmq.PULL)
-            sock.linger = 0
-            adopted_fd = -1
+            listener = self._listener
+            if listener is None:  # kvcr's initialize() always reserves one
+                _stop_authenticator(auth, ctx)
+                raise ControlAuthError("kvcr reserved no control listener")
+            guarded = ctx.socket(zmq.PULL)
+            guarded.linger = 0
+            descriptor = None
             try:
-                self._guard.server_options(sock)
-                adopted_fd = os.dup(self._listener.fileno())
-                sock.setsockopt(zmq.USE_FD, adopted_fd)
-                sock.bind(self._bind_endpoint)
+                self._guard.server_options(guarded)
+                descriptor = os.dup(listener.fileno())
+                guarded.setsockopt(zmq.USE_FD, descriptor)
+                guarded.bind(self._bind_endpoint)
             except BaseException:
-                # libzmq takes the descriptor at bind only.
-                if adopted_fd >= 0:
-                    os.close(adopted_fd)
-                sock.close()
-                self._stop_auth()
+                if descriptor is not None:  # not adopted: still ours to close
+                    os.close(descriptor)
+                guarded.close()
+                _stop_authenticator(auth, ctx)
                 raise
-            self._socket = sock
+            unchecked, self._socket = self._socket, guarded
+            unchecked.close()
+            self._ctx, self._auth = ctx, auth
 
         def send(self, endpoint: str, message: bytes) -> bool:
-            # A socket made here (auth options before connect) is then used by
-            # kvcr's send, which handles its failures as for its own sockets.
-            if self._ctx is not None and endpoint not in self._outgoing:
-                sock = self._ctx.socket(zmq.PUSH)
-                sock.linger = 0
-                try:
-                    self._guard.client_options(sock, endpoint)
-                    sock.connect(self._guard.client_endpoint(endpoint))
-                except zmq.ZMQError:
-                    logger.warning("KVCR control connect failed to %s", endpoint)
-                    sock.close()
-                    return False
-                self._outgoing[endpoint] = sock
+            # Dial with our options first; kvcr's send then finds the socket.
+            fresh = self._ctx is not None and endpoint not in self._outgoing
+            if fresh and not self._dial(endpoint):
+                return False
             return bool(super().send(endpoint, message))
+
+        def _dial(self, endpoint: str) -> bool:
+            peer = self._ctx.socket(zmq.PUSH)
+            peer.linger = 0
+            try:
+                self._guard.client_options(peer, endpoint)
+                peer.connect(self._guard.client_endpoint(endpoint))
+            except zmq.ZMQError as exc:
+                logger.warning("KVCR control: cannot dial %s (%s)", endpoint, exc)
+                peer.close()
+                return False
+            self._outgoing[endpoint] = peer
+            return True
 
         def close(self) -> None:
             try:
                 super().close()
             finally:
-                self._stop_auth()
-
-        def _stop_auth(self) -> None:
-            auth, self._auth = self._auth, None
-            ctx = self._ctx
-            self._ctx = None
-            try:
-                if auth is not None:
-                    auth.stop()
-            finally:
-                if ctx is not None:
-                    ctx.destroy(linger=0)
+                auth, self._auth = self._auth, None
+                ctx, self._ctx = self._ctx, None
+                _stop_authenticator(auth, ctx)
 
     return GuardedChannel
 
 
+_SAFE_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.:-]*[A-Za-z0-9])?")
 _GUARDED: type | None = None
 _GUARDED_LOCK = threading.Lock()
+_STOP_TIMEOUT_S = 5.0
+
+
+def _stop_authenticator(auth: Any, ctx: Any) -> None:
+    """Stop a ZAP thread and destroy its context, bounded: pyzmq's ``stop()``
+    waits forever on a thread that already died, so it is called only on a live
+    one, from a helper thread joined with a deadline."""
+    try:
+        if auth is not None and auth.is_alive():
+            stopper = threading.Thread(
+                target=auth.stop, name="kvcr-zap-stop", daemon=True
+            )
+            stopper.start()
+            stopper.join(_STOP_TIMEOUT_S)
+            if stopper.is_alive():
+                logger.error("KVCR control ZAP thread did not stop in time")
+    finally:
+        if ctx is not None:
+            ctx.destroy(linger=0)

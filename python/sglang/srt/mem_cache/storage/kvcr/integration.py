@@ -63,6 +63,7 @@ WEIGHT_TARGETS: tuple[str, ...] = tuple(
         "update_weights_from_distributed",
         "update_weights_from_ipc",
         "begin_weight_update",
+        "end_weight_update",  # P2P/RDMA writes land between begin and end
     )
 )
 _PD_PREFILL = (
@@ -283,10 +284,19 @@ def _around_finish_loads(original: Callable[..., Any], wrapper: Any) -> list[str
         return []
     index, wrapper.inflight_load_index = wrapper.inflight_load_index, -1
     verdicts = by_request(index)
-    landed = torch.tensor(
-        [int(verdicts.get(rid, True)) for rid in rids], dtype=torch.int
-    )
-    wrapper.cache._all_reduce_attn_groups(landed, torch.distributed.ReduceOp.MIN)
+    # Every rank must reduce as many flags: check the count first (MIN of n and
+    # of -n), and abort them all if the ranks' lists ever differ.
+    sizes = torch.tensor([len(rids), -len(rids)], dtype=torch.int)
+    wrapper.cache._all_reduce_attn_groups(sizes, torch.distributed.ReduceOp.MIN)
+    if sizes.tolist() != [len(rids), -len(rids)]:
+        logger.error("KVCR restore verdicts: ranks disagree on the loading requests")
+        landed = torch.zeros(len(rids), dtype=torch.int)
+    else:
+        # A request the linker has no record of did not land (fail closed).
+        landed = torch.tensor(
+            [int(verdicts.get(rid, False)) for rid in rids], dtype=torch.int
+        )
+        wrapper.cache._all_reduce_attn_groups(landed, torch.distributed.ReduceOp.MIN)
     for rid in rids:
         wrapper.private_load_indices.pop(rid, None)
     failed = [rid for rid, ok in zip(rids, landed.tolist(), strict=True) if not ok]

@@ -7,14 +7,14 @@ revision, the draft model, and the settings that change the KV (weight
 quantization, config overrides, KV scales, dtypes, the load format). Geometry
 (KV dtype, page size, spans, shard) is added by ``PageLayout``.
 
-A local checkpoint directory (or single weight file) is fingerprinted without
-reading whole weights: ``config.json`` and the other small config files in full;
-for every top-level weight file its name, size, and either the SHA-256 the
-Hugging Face cache names its blob with, or the safetensors header (tensor names,
-dtypes, shapes, offsets) plus ``_SAMPLES`` evenly spaced ``_SAMPLE_BYTES`` chunks
-of the data. A path that is not local (a hub id) falls back to the string plus
-the revision; nothing is ever downloaded. ``--load-format dummy`` weights are
-random: their fingerprint is the load format, never the files.
+A local checkpoint directory (or single weight file) is fingerprinted by content:
+``config.json`` and the other small config files in full; for every top-level
+weight file its name, size, and the SHA-256 of its bytes (the name a Hugging Face
+cache blob already carries, else hashed once and cached by file identity). A hub
+id is resolved to the local snapshot SGLang loaded (never downloaded); when none
+is found, or the load format does not read the files (remote instances, IPC,
+caches), the worker gets a version no other worker has. ``--load-format dummy``
+weights are random: their fingerprint is the load format, never the files.
 """
 
 from __future__ import annotations
@@ -37,9 +37,22 @@ _EXTRA_CONFIG_FILES = (
 )
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack")
 _INDEX_SUFFIX = ".index.json"
-_SAMPLES = 32
-_SAMPLE_BYTES = 4096
-_MAX_HEADER_BYTES = 100 << 20
+_READ_BYTES = 8 << 20
+# Load formats that read the checkpoint's files (their content is the weights).
+FILE_LOAD_FORMATS = frozenset(
+    {
+        "auto",
+        "pt",
+        "safetensors",
+        "npcache",
+        "fastsafetensors",
+        "gguf",
+        "bitsandbytes",
+        "sharded_state",
+        "mistral",
+        "layered",
+    }
+)
 _SHA256_NAME = re.compile(r"[0-9a-f]{64}")
 # Server arguments that change KV bytes (beyond the pool geometry), hashed by value.
 _SETTINGS = (
@@ -67,34 +80,84 @@ def _text(value: Any) -> str:
 
 
 def _file_fingerprint(path: Path) -> str:
-    """Name-independent fingerprint of one weight file (see the module docstring)."""
+    """Content fingerprint of one weight file: the SHA-256 a Hugging Face cache
+    blob is named by, else the SHA-256 of every byte (cached by file identity,
+    so a restart does not read the weights again)."""
     size = path.stat().st_size
     target = path.resolve()
     if path.is_symlink() and _SHA256_NAME.fullmatch(target.name):
         return f"{size}:sha256:{target.name}"  # an HF cache blob: named by content
-    h = hashlib.sha256(str(size).encode())
-    with open(target, "rb") as f:
-        if path.suffix == ".safetensors" and size >= 8:
-            n = int.from_bytes(f.read(8), "little")
-            if 0 < n <= min(size - 8, _MAX_HEADER_BYTES):
-                h.update(f.read(n))  # every tensor's name, dtype, shape, offsets
-        step = max(1, (size - _SAMPLE_BYTES) // max(1, _SAMPLES - 1))
-        for i in range(_SAMPLES):
-            offset = min(i * step, max(0, size - _SAMPLE_BYTES))
-            f.seek(offset)
-            h.update(f.read(_SAMPLE_BYTES))
-            if offset + _SAMPLE_BYTES >= size:
-                break
-    return f"{size}:sampled:{h.hexdigest()}"
+    return f"{size}:sha256:{_full_sha256(target)}"
+
+
+def _full_sha256(path: Path) -> str:
+    st = path.stat()
+    key = f"{path}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}"
+    cache = _hash_cache()
+    if key in cache:
+        return cache[key]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ_BYTES):
+            h.update(chunk)
+    cache[key] = digest = h.hexdigest()
+    _save_hash_cache(cache)
+    return digest
+
+
+def _hash_cache_path() -> Path:
+    root = os.environ.get("SGLANG_KVCR_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "sglang-kvcr"
+    )
+    return Path(root) / "weight_sha256.json"
+
+
+def _hash_cache() -> dict[str, str]:
+    try:
+        loaded = json.loads(_hash_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def _save_hash_cache(cache: dict[str, str]) -> None:
+    path = _hash_cache_path()
+    try:  # best effort: a read-only home only costs a re-read next start
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _hub_snapshot(repo_id: str, revision: str) -> Path | None:
+    """The local snapshot SGLang loaded ``repo_id`` from (Hugging Face cache),
+    without touching the network; None when there is none."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(
+            repo_id, revision=revision or None, local_files_only=True
+        )
+    except Exception:  # not cached, not a hub id, or no huggingface_hub
+        return None
+    return Path(local) if local and Path(local).is_dir() else None
 
 
 def weights_fingerprint(model_path: str, revision: str, load_format: str) -> str:
     """What the weights loaded from ``model_path`` with ``load_format`` are."""
     if load_format == "dummy":
         return "dummy"  # random init, seeded identically: the files do not matter
+    if load_format not in FILE_LOAD_FORMATS:
+        # Weights from another process, a remote instance or a cache: nothing
+        # here says what they are, so this worker shares with no other.
+        return f"{load_format}:{new_weights_version()}"
     path = Path(os.path.expanduser(model_path)) if model_path else None
-    if path is None or not path.exists():
-        return f"path:{model_path}@{revision}"  # not local: never download
+    if path is not None and not path.exists():
+        path = _hub_snapshot(model_path, revision)  # the files SGLang read
+    if path is None:
+        return f"unknown:{new_weights_version()}"  # never guess from a name
     if path.is_file():
         return "file:" + _file_fingerprint(path)
     parts: list[list[str]] = []
