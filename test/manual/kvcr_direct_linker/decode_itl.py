@@ -36,6 +36,20 @@ STATS_STAMP_RE = re.compile(
 )
 
 
+def stream_payload(ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+    """A greedy streaming ``/generate`` body that decodes exactly
+    ``max_new_tokens`` tokens."""
+    return {
+        "input_ids": [int(t) for t in ids],
+        "sampling_params": {
+            "max_new_tokens": max_new_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        },
+        "stream": True,
+    }
+
+
 def stream_tokens(
     base_url: str,
     ids: list[int],
@@ -45,15 +59,7 @@ def stream_tokens(
 ) -> dict[str, Any]:
     """One streaming /generate; arrival time (ms after send) and running output
     token count of every ``data:`` chunk (``on_tokens`` is told each count)."""
-    payload = {
-        "input_ids": [int(t) for t in ids],
-        "sampling_params": {
-            "max_new_tokens": max_new_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-        },
-        "stream": True,
-    }
+    payload = stream_payload(ids, max_new_tokens)
     chunks: list[tuple[float, int]] = []
     last: dict[str, Any] = {}
     seen_ids = 0

@@ -233,15 +233,7 @@ def stream_ttft(
     timeout: float,
 ) -> dict[str, Any]:
     """One streaming /generate: TTFT = send -> first ``data:`` chunk (ms)."""
-    payload = {
-        "input_ids": [int(t) for t in ids],
-        "sampling_params": {
-            "max_new_tokens": max_new_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-        },
-        "stream": True,
-    }
+    payload = decode_itl.stream_payload(ids, max_new_tokens)
     started = time.perf_counter()
     first: float | None = None
     last: dict[str, Any] = {}

@@ -10,7 +10,6 @@ in the middle is missing (0.5.23's restorable-boundary convention). Real kvcr + 
 from __future__ import annotations
 
 import hashlib
-import time
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTr
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
 from cpu_harness import kvcr_stack
+from cpu_harness.kvcr_pages import wait_until
 from sglang.srt.mem_cache.storage.kvcr.kvcr_layout import KVCRLayoutError
 from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
 
@@ -131,15 +131,6 @@ def page_bytes(sub_pool, page):
             for b in buffers(sub_pool)
         ]
     )
-
-
-def wait_until(predicate, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.002)
-    raise AssertionError(f"{what} not reached within {timeout} s")
 
 
 def offload(linker, xfers):
