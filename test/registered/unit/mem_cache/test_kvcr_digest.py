@@ -280,7 +280,10 @@ def weight_manager(cache: Any) -> Any:
 def update_from_disk(stack: Any, path: Path | str, *, flush: bool = True) -> Any:
     from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
 
-    req = UpdateWeightFromDiskReqInput(model_path=str(path), flush_cache=flush)
+    # The test stack serves dummy weights; the update loads real files.
+    req = UpdateWeightFromDiskReqInput(
+        model_path=str(path), load_format="auto", flush_cache=flush
+    )
     out = weight_manager(stack.cache).update_weights_from_disk(req)
     assert out.success, out.message
     return stack.linker.layout.compatibility_digest
