@@ -64,11 +64,13 @@ def hashes_for(n, salt):
     return [hashlib.sha256(f"{salt}/{i}".encode()).hexdigest() for i in range(n)]
 
 
-def kv_transfer(hashes, pages=None, device="cpu", cls=None):
+def kv_transfer(hashes, pages=None, device="cpu", cls=None, page=PAGE):
+    """The KV ``PoolTransfer`` of ``hashes``; with ``pages``, their token indices
+    (``page`` tokens a page) on ``device``, as SGLang passes them."""
     indices = None
     if pages is not None:
         indices = torch.tensor(
-            [p * PAGE + t for p in pages for t in range(PAGE)],
+            [p * page + t for p in pages for t in range(page)],
             dtype=torch.int64,
             device=device,
         )
@@ -120,12 +122,15 @@ def page_bytes(pool, page):
     ).cpu()
 
 
-def wait_until(predicate, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
+def wait_until(predicate, timeout=10.0, what="condition", poll_s=0.002):
+    """Poll ``predicate`` every ``poll_s`` until true; returns the seconds waited,
+    raises AssertionError at the deadline."""
+    started = time.monotonic()
+    deadline = started + timeout
     while time.monotonic() < deadline:
         if predicate():
-            return
-        time.sleep(0.002)
+            return time.monotonic() - started
+        time.sleep(poll_s)
     raise AssertionError(f"{what} not reached within {timeout} s")
 
 
@@ -156,13 +161,19 @@ def wrong_bytes(pool, pages, originals):
 
 
 def fetch_hint(endpoint, hashes):
-    """A ``kv.fetch@1.0`` hint naming ``endpoint`` as the source of ``hashes``."""
+    """A ``kv.fetch@1.0`` hint naming ``endpoint`` as the source of ``hashes``
+    (SGLang page hashes, or the router's unsigned 64-bit values)."""
     payload = {
         "source_control_endpoint": endpoint,
-        "block_hashes": [page_hash_to_u64(h) for h in hashes],
+        "block_hashes": [h if type(h) is int else page_hash_to_u64(h) for h in hashes],
     }
-    action = {"action_type": "kv.fetch", "action_version": "1.0", "payload": payload}
-    return {"protocol_version": "1.0", "actions": [action]}
+    action = {
+        "action_id": "fetch-0",
+        "action_type": "kv.fetch",
+        "action_version": "1.0",
+        "payload": payload,
+    }
+    return {"protocol_version": "1.0", "message_id": "hint", "actions": [action]}
 
 
 def stall_owner(lk, timeout=10.0):

@@ -182,6 +182,7 @@ def bare_linker(
     draft: str | None = None,
     allocator: Any = None,
     forward_stream: Any = None,
+    server_args: dict[str, Any] | None = None,
     **params: Any,
 ) -> Any:
     """A ``KVCRDirectLinker`` over ``pool`` alone (no cache, no SGLang loader):
@@ -195,6 +196,7 @@ def bare_linker(
         revision=None,
         speculative_draft_model_path=draft,
         load_format="dummy",  # no weights: the pages' digest is the layout's
+        **(server_args or {}),
     )
     cache_params = SimpleNamespace(
         token_to_kv_pool_allocator=allocator or PoolAllocator(pool),

@@ -15,99 +15,32 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import sys
-import time
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[4]
-sys.path.insert(0, str(REPO / "test"))
-
-from cpu_harness import server as harness  # noqa: E402
-from cpu_harness import tiny_model  # noqa: E402
+from cpu_harness import tiny_model
+from cpu_harness.kvcr_pages import fetch_hint as page_hint
+from cpu_harness.kvcr_servers import PAGE, computed_on, recompute, run
+from cpu_harness.kvcr_servers import launch_linker as launch
 
 pytestmark = [pytest.mark.server, pytest.mark.kvcr]
 
-PAGE = 16
 PROMPT_LEN = 256
-OUTPUT_LEN = 8
 ALIGNED = (PROMPT_LEN - 1) // PAGE * PAGE
 OVERRIDE = json.dumps({"rope_theta": 1234.0})
 
 
-def page_hashes(token_ids: list[int]) -> list[int]:
+def fetch_hint(endpoint: str, ids: list[int]) -> dict:
+    """A hint naming ``endpoint`` for the whole pages of ``ids`` (storage hashes:
+    a plain request publishes exactly these)."""
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    from sglang.srt.mem_cache.storage.kvcr.router_hint import page_hash_to_u64
-
-    hashes = get_storage_hash_str(RadixKey(token_ids[:ALIGNED]), None, page_size=PAGE)
-    return [page_hash_to_u64(h) for h in hashes]
-
-
-def fetch_hint(endpoint: str, ids: list[int]) -> dict[str, Any]:
-    action = {
-        "action_id": "fetch-0",
-        "action_type": "kv.fetch",
-        "action_version": "1.0",
-        "payload": {
-            "source_control_endpoint": endpoint,
-            "block_hashes": page_hashes(ids),
-        },
-    }
-    return {"protocol_version": "1.0", "message_id": "digest", "actions": [action]}
-
-
-def launch(name: str, model: Path, work: Path, extra: tuple[str, ...] = ()) -> Any:
-    control_port = harness.free_port()
-    config = {
-        "local_dram_bytes_per_worker": 64 << 20,
-        "control_port": control_port,
-        "operation_timeout_ms": 10000,
-        "abandon_timeout_ms": 20000,
-        "preparation_timeout_ms": 5000,
-    }
-    args = [
-        "--page-size",
-        str(PAGE),
-        "--max-total-tokens",
-        str(4 * PROMPT_LEN),
-        "--max-running-requests",
-        "4",
-        *extra,
-        *harness.kvcr_linker_args(config),
-    ]
-    # Started without waiting: the three servers boot side by side.
-    handle = harness.launch_server(
-        args, model_path=model, log_path=work / f"{name}.log", wait=False
-    )
-    handle.endpoint = f"tcp://127.0.0.1:{control_port}"
-    return handle
-
-
-def run(server: Any, ids: list[int], **extra: Any) -> tuple[list[int], int]:
-    out = server.generate(input_ids=ids, max_new_tokens=OUTPUT_LEN, **extra)
-    meta = out.get("meta_info", {})
-    external = int((meta.get("cached_tokens_details") or {}).get("host", 0) or 0)
-    return list(out["output_ids"]), external
-
-
-def computed_on(server: Any, ids: list[int]) -> list[int]:
-    """``ids`` computed (and offloaded) on ``server``: its output."""
-    output, _ = run(server, ids)
-    time.sleep(1.0)  # the write-through offload to KVCR DRAM is asynchronous
-    return output
-
-
-def recompute(server: Any, ids: list[int]) -> list[int]:
-    """``server``'s own output for ``ids`` with nothing cached."""
-    assert server.flush_cache().status_code == 200
-    output, external = run(server, ids)
-    assert external == 0
-    return output
+    hashes = get_storage_hash_str(RadixKey(ids[:ALIGNED]), None, page_size=PAGE)
+    return page_hint(endpoint, hashes)
 
 
 def update_weights(server: Any, path: Path) -> None:

@@ -679,6 +679,57 @@ def test_kvcr_eviction_of_pages_no_longer_on_the_device_still_publishes_removal(
     assert sorted(removed_hashes(events, StorageMedium.EXTERNAL)) == sorted(x_hashes)
 
 
+def test_one_evicted_page_announces_only_that_page_removed(make_stack):
+    """KVCR evicting one page of a three-page (salted) node publishes one EXTERNAL
+    removal, with that page's namespaced hash; a later eviction of another page of
+    the same node is announced too."""
+    from sglang.srt.disaggregation.kv_events import StorageMedium
+
+    stack = make_stack(events=True, local_dram_bytes_per_worker=3 * PAGE_BYTES)
+    cache, linker = stack.cache, stack.linker
+    x = list(range(900, 900 + 3 * PAGE))
+    insert_and_commit(stack, x, seed=40, salt="tenant-a")
+    x_hashes = stored_hashes(cache.take_events(), StorageMedium.EXTERNAL)
+    assert len(x_hashes) == 3
+    removed: list[int] = []
+
+    def evicted(n: int) -> bool:
+        cache.check_hicache_events()
+        removed.extend(removed_hashes(cache.take_events(), StorageMedium.EXTERNAL))
+        return linker.stats.evicted_pages >= n and len(removed) >= n
+
+    insert_and_commit(stack, list(range(950, 950 + PAGE)), seed=41)
+    wait_until(lambda: evicted(1), "one of x's pages evicted")
+    assert len(removed) == 1 and removed[0] in x_hashes, (removed, x_hashes)
+    assert not node_of(cache, x, "tenant-a").external_cache_stored
+    insert_and_commit(stack, list(range(970, 970 + PAGE)), seed=42)
+    wait_until(lambda: evicted(2), "a second page of x evicted")
+    assert len(set(removed)) == len(removed) == 2, removed
+    assert set(removed) <= set(x_hashes)
+
+
+def test_an_eviction_announced_before_its_offload_commits_clears_the_mark(make_stack):
+    """The gathered removals name a page whose offload has not committed yet: the
+    commit that follows must not leave a stale stored mark (nor the router a
+    stale EXTERNAL page)."""
+    from sglang.srt.disaggregation.kv_events import StorageMedium
+
+    stack = make_stack(events=True)
+    cache = stack.cache
+    x = list(range(1100, 1100 + 2 * PAGE))
+    insert(stack, x, seed=43)
+    assert cache.linker.pending_offloads  # not committed
+    first = node_of(cache, x).hash_value[0]
+    assert integration.clear_stored_marks(cache, [first]) == 0  # nothing indexed
+    cache.take_events()
+    commit_offloads(cache)
+    events = cache.take_events()
+    stored = stored_hashes(events, StorageMedium.EXTERNAL)
+    assert len(stored) == 2
+    assert not node_of(cache, x).external_cache_stored
+    assert removed_hashes(events, StorageMedium.EXTERNAL) == stored[:1]
+
+
 # ---- 5./6. refusals at linker start ---------------------------------------------------
 
 

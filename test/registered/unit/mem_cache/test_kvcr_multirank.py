@@ -134,6 +134,8 @@ def _run_rank(rank: int, port: int) -> dict[str, Any]:
         out["offloads"] = _offload_scenario(rank, cache, pool, allocator)
         dist.barrier()
         mark("offloads")
+        out["removals"] = _removal_scenario(rank, cache)
+        dist.barrier()
         return out
     finally:
         if cache is not None and cache.linker is not None:
@@ -150,6 +152,33 @@ def _build_cache(rank: int, group: Any) -> tuple[Any, Any, Any]:
         group=group,
     )
     return stack.cache, stack.kvcache, stack.allocator
+
+
+def _removal_scenario(rank: int, cache: Any) -> dict[str, Any]:
+    """Steps in which only rank 1 (or nobody) has evictions to announce: the
+    union is the same on both ranks, and the object gather runs only when some
+    rank has something."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from sglang.srt.mem_cache.storage.kvcr import integration
+
+    real_gather = dist.all_gather_object
+    gathers: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        gathers.append(1)
+        return real_gather(*args, **kwargs)
+
+    steps = [[], ["h-b", "h-a"] if rank == 1 else [], [], ["h-c"] if rank == 0 else []]
+    unions, calls = [], []
+    with mock.patch.object(dist, "all_gather_object", side_effect=counted):
+        for removed in steps:
+            before = len(gathers)
+            unions.append(integration.gather_union(cache, removed))
+            calls.append(len(gathers) - before)
+    return {"unions": unions, "gathers": calls}
 
 
 class _Req:
@@ -495,3 +524,10 @@ def test_later_offload_that_succeeds_everywhere_is_stored_on_both_ranks(ranks):
     assert o0["linker_fifo_after"] == o1["linker_fifo_after"] == 0
     assert o1["refused_after_second"] == 2 and o1["failures_after_second"] == 0
     assert o0["refused_after_second"] == 0 and o0["failures_after_second"] == 0
+
+
+def test_removed_hashes_are_gathered_only_in_steps_where_some_rank_has_any(ranks):
+    """Both ranks get the same union; steps with nothing removed skip the gather."""
+    u0, u1 = ranks[0]["removals"], ranks[1]["removals"]
+    assert u0["unions"] == u1["unions"] == [[], ["h-a", "h-b"], [], ["h-c"]]
+    assert u0["gathers"] == u1["gathers"] == [0, 1, 0, 1]

@@ -41,9 +41,10 @@ class KVCRLinkerConfig:
 
     local_dram_bytes_per_worker: int = dataclasses.field(
         metadata=_doc(
-            "Required. Bytes of host DRAM that KVCR owns for this worker process, "
-            "divided evenly among its local attention ranks; every pool gets the "
-            "same page count and the unused tail is logged."
+            "Required. Bytes of host DRAM that KVCR owns for this worker (one "
+            "server on one node), divided evenly among the attention ranks the "
+            "node runs, across DP replicas; every pool gets the same page count "
+            "and the unused tail is logged."
         )
     )
     control_bind_host: str = dataclasses.field(
@@ -63,8 +64,10 @@ class KVCRLinkerConfig:
     control_port: int = dataclasses.field(
         default=0,
         metadata=_doc(
-            "Control port of attention rank 0; rank r listens on control_port + r. "
-            "0 picks free ports (hints can then only name them explicitly)."
+            "Control port of attention rank 0; global attention rank g (DP "
+            "replica d, attention-TP rank r: g = d * attn_tp_size + r) listens "
+            "on control_port + g. 0 picks free ports (hints can then only name "
+            "them explicitly)."
         ),
     )
     operation_timeout_ms: int = dataclasses.field(

@@ -28,6 +28,7 @@ hook returns at once unless ``prepares_requests`` / ``publishes_external_events`
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 from sglang.srt.mem_cache.storage.kvcr.errors import KVCRUnavailableError
+from sglang.srt.mem_cache.storage.kvcr.event_hashes import published_aliases
 from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
     LinkerRequestContext,
     PreparationHandle,
@@ -175,10 +177,20 @@ def wrapper_prepare_request(wrapper: Any, req: Any) -> Any:
             return None
         transfers.append(transfer)
     handle = getattr(req, "cache_request_handle", None)
+    kv_hints = getattr(req, "kv_hints", None)
     ctx = LinkerRequestContext(
         rid=req.rid,
         attempt_id=int(getattr(handle, "attempt_id", 0) or 0),
-        kv_hints=getattr(req, "kv_hints", None),
+        kv_hints=kv_hints,
+        # What a router read from this request's published events (only needed
+        # when a hint came with the request).
+        event_hashes=(
+            published_aliases(
+                view, result.device_prefix_len, len(tail), cache.page_size
+            )
+            if kv_hints is not None and tail
+            else ()
+        ),
     )
     return linker_hook(wrapper.cache_linker, "prepare_request")(ctx, transfers)
 
@@ -341,13 +353,15 @@ def _after_init_cache_linker(result: Any, cache: Any, cache_linker: Any) -> None
             f"{type(cache.tree_core).__name__}); set {TREE_CORE_ENV}=python"
         )
     cache._kvcr_hash_to_node = {}
+    cache._kvcr_removed_early = collections.OrderedDict()
 
 
 def _after_cache_reset(result: Any, cache: Any) -> None:
     # A flush rebuilt KVCR empty: nothing indexed is stored externally any more.
-    index = getattr(cache, "_kvcr_hash_to_node", None)
-    if index is not None:
-        index.clear()
+    for name in ("_kvcr_hash_to_node", "_kvcr_removed_early"):
+        index = getattr(cache, name, None)
+        if index is not None:
+            index.clear()
 
 
 def _around_weight_update(
@@ -383,8 +397,11 @@ def _around_commit_completed_offloads(
     result = original(wrapper, successes)
     from sglang.srt.disaggregation.kv_events import StorageMedium
 
-    core = wrapper.cache.tree_core
-    index = getattr(wrapper.cache, "_kvcr_hash_to_node", None)
+    cache = wrapper.cache
+    core = cache.tree_core
+    index = getattr(cache, "_kvcr_hash_to_node", None)
+    early = getattr(cache, "_kvcr_removed_early", None)
+    evicted: list[str] = []
     for ok, node_ids in zip(successes, published, strict=True):
         if not ok:
             continue
@@ -398,6 +415,12 @@ def _around_commit_completed_offloads(
                 # device drops the node, and their removal must still be published.
                 for page_hash in node.hash_value or ():
                     index[page_hash] = node
+                    # KVCR evicted it before this commit (the list every rank
+                    # gathered): the mark just set is already stale.
+                    if early is not None and early.pop(page_hash, False):
+                        evicted.append(page_hash)
+    if evicted:
+        clear_stored_marks(cache, evicted)
     return result
 
 
@@ -424,6 +447,15 @@ def gather_union(cache: Any, removed: list[str]) -> list[str]:
     groups = [g for g in groups if torch.distributed.get_world_size(group=g) > 1]
     if not groups and cache.tp_world_size > 1:
         groups = [cache.tp_group]
+    if not groups:
+        return sorted(merged)
+    # One small reduction per step; the object gather only when some rank has
+    # something to announce (every rank sees the same maximum).
+    count = torch.tensor([len(merged)], dtype=torch.int64)
+    for group in groups:
+        torch.distributed.all_reduce(count, torch.distributed.ReduceOp.MAX, group)
+    if int(count[0]) == 0:
+        return []
     for group in groups:
         gathered: list[Any] = [None] * torch.distributed.get_world_size(group=group)
         torch.distributed.all_gather_object(gathered, sorted(merged), group=group)
@@ -440,15 +472,25 @@ def _node(core: Any, node_id: Any) -> Any:
 
 
 def clear_stored_marks(cache: Any, page_hashes: list[str]) -> int:
-    """Clear ``external_cache_stored`` for nodes holding evicted pages, and
-    publish EXTERNAL ``BlockRemoved`` for them; returns nodes cleared."""
+    """Clear ``external_cache_stored`` for nodes holding evicted pages and
+    publish EXTERNAL ``BlockRemoved`` for exactly those pages; returns nodes
+    cleared. A page not indexed yet (its offload has not committed) is remembered
+    and cleared when it commits."""
     from sglang.srt.disaggregation.kv_events import StorageMedium
 
     index = getattr(cache, "_kvcr_hash_to_node", {})
+    early = getattr(cache, "_kvcr_removed_early", None)
     core = cache.tree_core
     cleared = 0
+    evicted_at: dict[int, tuple[Any, list[int]]] = {}
     for page_hash in page_hashes:
         node = index.pop(page_hash, None)
+        if node is None:
+            if early is not None:
+                early[page_hash] = True
+                while len(early) > _MAX_EARLY_REMOVALS:
+                    early.popitem(last=False)
+            continue
         # A split moves a node's leading pages (and its stored mark) into a new
         # parent with a new id: the page now lives in an ancestor.
         while node is not None and page_hash not in (node.hash_value or ()):
@@ -458,12 +500,40 @@ def clear_stored_marks(cache: Any, page_hashes: list[str]) -> int:
         # A node the device already dropped still gets its EXTERNAL removal.
         if node.external_cache_stored:
             node.external_cache_stored = False
-            core.kv_events.record_remove(node, medium=StorageMedium.EXTERNAL)
             cleared += 1
-        for other in node.hash_value or ():
-            if index.get(other) is node:
-                del index[other]
+        entry = evicted_at.setdefault(id(node), (node, []))
+        entry[1].append(node.hash_value.index(page_hash))
+    for node, positions in evicted_at.values():
+        _publish_removed(
+            core.kv_events, node, sorted(positions), StorageMedium.EXTERNAL
+        )
     return cleared
+
+
+_MAX_EARLY_REMOVALS = 1 << 16  # evictions remembered for offloads still committing
+
+
+def _publish_removed(
+    recorder: Any, node: Any, positions: list[int], medium: Any
+) -> None:
+    """``BlockRemoved`` for the pages of ``node`` at ``positions`` only, with the
+    hashes SGLang's recorder publishes for them (namespaced like its stores)."""
+    from sglang.srt.disaggregation.kv_events import BlockRemoved
+    from sglang.srt.mem_cache.events import KVCacheEventRecorder
+
+    if not recorder.enabled:
+        return
+    scratch = KVCacheEventRecorder(
+        enabled=True,
+        page_size=recorder.page_size,
+        dynamo_format=recorder.dynamo_format,
+        lora_names=recorder.lora_names,
+    )
+    scratch.record_remove(node, medium=medium)
+    hashes = [h for event in scratch.take() for h in event.block_hashes]
+    picked = [hashes[i] for i in positions if i < len(hashes)]
+    if picked:
+        recorder.enqueue(BlockRemoved(block_hashes=picked, medium=medium))
 
 
 def ensure_python_tree_core() -> None:
@@ -477,3 +547,32 @@ def ensure_python_tree_core() -> None:
             "publishes EXTERNAL KV events and clears stored marks on Python tree "
             "nodes; unset the variable or set it to python"
         )
+
+
+def attention_replica(server_args: Any) -> tuple[int, int]:
+    """(replica, replicas) of this scheduler process: its attention-DP rank and
+    size with DP attention, else the DP controller's replica index and
+    ``--dp-size``. Refuses when DP is on and SGLang did not publish the rank."""
+    dp_size = int(getattr(server_args, "dp_size", 1) or 1)
+    if dp_size == 1:
+        return 0, 1
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    try:
+        if getattr(server_args, "enable_dp_attention", False):
+            return int(parallel.attn_dp_rank), int(parallel.attn_dp_size)
+        dp_rank = parallel.dp_rank
+    except (AttributeError, RuntimeError, ValueError) as exc:
+        raise KVCRUnavailableError(
+            f"--dp-size {dp_size}: SGLang did not publish this process's DP rank "
+            f"({exc}); run the KVCR linker with --dp-size 1"
+        ) from exc
+    if dp_rank is None:
+        dp_rank = os.environ.get("SGLANG_DP_RANK")
+    if dp_rank is None:
+        raise KVCRUnavailableError(
+            f"--dp-size {dp_size}: this process's DP rank is unknown; run the "
+            "KVCR linker with --dp-size 1"
+        )
+    return int(dp_rank), dp_size

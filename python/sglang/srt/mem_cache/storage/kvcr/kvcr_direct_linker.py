@@ -45,6 +45,7 @@ from sglang.srt.mem_cache.storage.kvcr.device_streams import (
     wait_fences,
 )
 from sglang.srt.mem_cache.storage.kvcr.host_memory import HostMemory
+from sglang.srt.mem_cache.storage.kvcr.integration import attention_replica
 from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import (
     AdapterLimits,
     Deposit,
@@ -66,6 +67,7 @@ from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
 )
 from sglang.srt.mem_cache.storage.kvcr.offload_staging import HostStaging, StageJob
 from sglang.srt.mem_cache.storage.kvcr.plugin import refuse_unsupported_topology
+from sglang.srt.mem_cache.storage.kvcr.rank_placement import placement_of
 from sglang.srt.mem_cache.storage.kvcr.restore_copy import (
     CpuRestorePlan,
     SpanRestore,
@@ -73,6 +75,7 @@ from sglang.srt.mem_cache.storage.kvcr.restore_copy import (
 )
 from sglang.srt.mem_cache.storage.kvcr.router_hint import (
     EndpointAllowlist,
+    FetchHint,
     RouterHintParser,
     page_hash_to_u64,
 )
@@ -275,8 +278,11 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self.forward_stream = forward_stream
         kvcache = params.token_to_kv_pool_allocator.get_kvcache()
         self.page_size = int(params.page_size)
-        self._rank, self._local_ranks = _attn_rank(params)
-        identity = kvcache_layout_identity(server_args, self._rank, self._local_ranks)
+        shard_rank, shard_size = _attn_rank(params)
+        self.placement = placement_of(
+            server_args, shard_rank, shard_size, *attention_replica(server_args)
+        )
+        identity = kvcache_layout_identity(server_args, shard_rank, shard_size)
         self.layout = kvcr_layout.PageLayout.from_kv_pool(
             kvcache, self.page_size, identity=identity, draft_pool=_draft_pool(params)
         )
@@ -307,7 +313,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self._page_total = sum(self._pool_page_bytes.values())
 
         plan = kvcr_layout.plan_capacity(
-            self.layout, cfg.local_dram_bytes_per_worker, self._local_ranks
+            self.layout, cfg.local_dram_bytes_per_worker, self.placement.ranks_on_node
         )
         logger.info(
             "KVCR capacity: %d pages per pool, %d bytes unused of the per-rank share",
@@ -355,7 +361,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             "key_adapter": kvcr_layout.KeyAdapter(self.layout),
             "control_bind_host": cfg.control_bind_host,
             "control_advertise_host": cfg.advertise_host,
-            "control_port": cfg.control_port + self._rank if cfg.control_port else 0,
+            "control_port": self.placement.control_port(cfg.control_port),
             "operation_timeout_ms": cfg.operation_timeout_ms,
             "abandon_timeout_ms": cfg.abandon_timeout_ms,
             "eviction_policy": cfg.eviction_policy,
@@ -369,7 +375,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             wait_timeout_s=cfg.owner_wait_timeout_s,
         )
         self._hints = RouterHintParser(
-            EndpointAllowlist.from_config(cfg), rank_offset=self._rank
+            EndpointAllowlist.from_config(cfg), rank_offset=self.placement.shard_rank
         )
         self.stats = LinkerStats()
         self._preps: dict[str, Preparation] = {}
@@ -404,13 +410,19 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             tuple[int, list[_LoadJob], tuple[Any, ...]] | None
         ] = queue.SimpleQueue()
         self._loader = threading.Thread(
-            target=self._loader_main, name=f"kvcr-loader-r{self._rank}", daemon=True
+            target=self._loader_main,
+            name=f"kvcr-loader-{self.placement.label()}",
+            daemon=True,
         )
         self._loader.start()
         logger.info(
-            "KVCR direct linker up: agent=%s endpoint=%s digest=%s pools=%s",
+            "KVCR direct linker up: agent=%s endpoint=%s (DP replica %d, attention "
+            "rank %d of %d) digest=%s pools=%s",
             self._agent,
             self.endpoint,
+            self.placement.replica,
+            self.placement.shard_rank,
+            self.placement.shard_size,
             self.layout.compatibility_digest,
             [p.name for p in self.layout.pools],
         )
@@ -436,12 +448,12 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         # A fresh NIXL agent name per KVCR incarnation: peers and this process may
         # still remember the previous one after a flush.
         self._agent = (
-            f"kvcr-{socket.gethostname()}-{os.getpid()}-r{self._rank}"
+            f"kvcr-{socket.gethostname()}-{os.getpid()}-{self.placement.label()}"
             f"-{next(_INCARNATIONS)}"
         )
         self._factory_args["agent_name"] = self._agent
         factory = make_kvcr_factory(**self._factory_args)
-        return KVCRAdapter(factory, self._limits, name=f"kvcr-r{self._rank}")
+        return KVCRAdapter(factory, self._limits, name=f"kvcr-{self.placement.label()}")
 
     @property
     def endpoint(self) -> str:
@@ -730,11 +742,12 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         elif hint is not None and self._peer_fetches_off:
             self.stats.hints_quarantine_off += 1  # see max_quarantined_cores
             hint = None
-        hinted = set(hint.block_hashes) if hint is not None else set()
+        hinted = _hinted_pages(hint, page_hashes, ctx.event_hashes)
         wanted = 0
         for page_hash in page_hashes:
-            if not self._resident_in(page_hash, self._full_pools) and (
-                page_hash_to_u64(page_hash) not in hinted
+            if (
+                not self._resident_in(page_hash, self._full_pools)
+                and page_hash not in hinted
             ):
                 break
             wanted += 1
@@ -753,14 +766,23 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             return ctx.handle
         self.stats.prepared += 1
         self.stats.prepared_pages += wanted
-        envelope = hint.to_kvcr_envelope() if hint is not None else None
+        # KVCR matches a hint against its keys' storage hashes: name the hinted
+        # pages by those, whatever hash the router named them by.
+        envelope = (
+            FetchHint(
+                hint.source_endpoint,
+                tuple(page_hash_to_u64(h) for h in page_hashes if h in hinted),
+            ).to_kvcr_envelope()
+            if hint is not None and hinted
+            else None
+        )
         chunk = self.config.prepare_chunk_pages
         # Window pools (SWA) only where this rank or the hinted peer may hold them:
         # a missing window page narrows the restorable set, it never blocks it.
         window_set = {
             h
             for h in page_hashes[:wanted]
-            if page_hash_to_u64(h) in hinted or self._resident_in(h, self._window_pools)
+            if h in hinted or self._resident_in(h, self._window_pools)
         }
         for start in range(0, wanted, chunk):
             span = page_hashes[start : min(wanted, start + chunk)]
@@ -1477,6 +1499,24 @@ def _window_pages(transfers: list[PoolTransfer], tail_pages: int) -> int:
         if transfer.name == PoolName.SWA and transfer.keys:
             return len(transfer.keys)
     return tail_pages  # no window given: require window KV for every page
+
+
+def _hinted_pages(
+    hint: FetchHint | None,
+    page_hashes: list[str],
+    event_hashes: tuple[frozenset[int], ...],
+) -> frozenset[str]:
+    """The tail pages ``hint`` names: by storage hash, or by any hash a worker
+    publishes for the page in its KV events (a namespaced request's)."""
+    if hint is None:
+        return frozenset()
+    named = set(hint.block_hashes)
+    return frozenset(
+        page_hash
+        for i, page_hash in enumerate(page_hashes)
+        if page_hash_to_u64(page_hash) in named
+        or (i < len(event_hashes) and not named.isdisjoint(event_hashes[i]))
+    )
 
 
 def _kv_keys(transfers: list[PoolTransfer]) -> list[str]:

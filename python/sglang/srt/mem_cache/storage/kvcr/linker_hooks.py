@@ -36,6 +36,9 @@ class LinkerRequestContext:
     rid: str
     attempt_id: int = 0
     kv_hints: Any = None  # sglang KvHintsEnvelope, a plain dict, or None
+    # Per tail page, the hashes workers publish for it in KV events when they
+    # differ from its storage hash (a namespaced request); () otherwise.
+    event_hashes: tuple[frozenset[int], ...] = ()
 
     @property
     def handle(self) -> PreparationHandle:
