@@ -338,6 +338,70 @@ def test_peer_fetches_stop_once_quarantined_dram_reaches_its_bound(pool):
         lk.close()
 
 
+class _RetainedKVCR:
+    """What an unclean close leaves behind: a KVCR whose dead peer's operation
+    is unresolved until the peer comes back (a restart on the same endpoint)."""
+
+    def __init__(self) -> None:
+        self.quiescent = False
+        self.closed = 0
+
+    def is_quiescent(self) -> bool:
+        return self.quiescent
+
+    def close(self) -> None:
+        assert self.quiescent
+        self.closed += 1
+
+
+def _close_uncleanly(adapter, retained):
+    real_close = adapter.close
+
+    def close(timeout_s=None):
+        real_close(timeout_s)
+        adapter._retained, adapter._clean_close = retained, False
+        return False
+
+    adapter.close = close
+
+
+def test_a_quarantined_core_that_proves_quiescent_gives_its_dram_back(pool):
+    """Quarantined DRAM is reused, without a new allocation, once its core has
+    proven quiescent and closed; peer fetches resume under the bound; a core
+    that has not proven it keeps its DRAM out of reach."""
+    lk = make_linker(pool, max_quarantined_cores=1)
+    try:
+        hashes = hashes_for(2, "reclaim")
+        peer_hint = fetch_hint("tcp://127.0.0.1:1", hashes)
+        original = dict(lk._storage)
+        first = {name: t.data_ptr() for name, t in original.items()}
+        retained = _RetainedKVCR()
+        _close_uncleanly(lk._adapter, retained)
+        lk.reset()
+        quarantined = lk.quarantined_bytes()
+        assert quarantined == sum(t.numel() for t in lk._storage.values()) > 0
+        assert all(lk._storage[n].data_ptr() != p for n, p in first.items())
+        assert "peer_fetches_off=1" in lk.stats_line()
+        lk.reset()  # still unresolved: still quarantined, nothing reused
+        assert lk.quarantined_bytes() == quarantined and retained.closed == 0
+        retained.quiescent = True  # the dead peer came back
+        lk.reset()
+        assert retained.closed == 1
+        assert lk.quarantined_bytes() == 0 and "peer_fetches_off=0" in lk.stats_line()
+        lk.prepare_request(LinkerRequestContext("p", 0, peer_hint), kv_transfer(hashes))
+        assert lk.stats.hints_quarantine_off == 0  # the hint is taken again
+        lk.release_request("p")
+        # The next unclean flush gets the reclaimed (zeroed) DRAM, not new memory.
+        for t in original.values():
+            t.fill_(7)  # what the old core left in it
+        _close_uncleanly(lk._adapter, _RetainedKVCR())
+        lk.reset()
+        assert {n: t.data_ptr() for n, t in lk._storage.items()} == first
+        assert all(int(t.count_nonzero()) == 0 for t in lk._storage.values())
+    finally:
+        lk.close()
+
+
 def test_restore_verdicts_fail_closed_when_ranks_or_records_disagree(linker):
     """A rid the linker has no record of did not land; and if another rank
     reduces a different number of loading requests, every one is aborted rather

@@ -125,7 +125,10 @@ class KVCRLinkerConfig:
             "KVCR could not prove quiescence, e.g. a dead peer's transfer, keeps "
             "its DRAM locked and allocates a fresh share). Once reached, the "
             "worker stops taking peer fetches (hints are ignored and counted) so "
-            "no later flush quarantines more. 0 stops peer fetches at the first."
+            "no later flush quarantines more. Each flush asks quarantined cores "
+            "whether they have proven quiescent since (a dead peer restarted): "
+            "their DRAM, still locked, is then reused, and peer fetches resume "
+            "once under the bound. 0 stops peer fetches at the first."
         ),
     )
     owner_wait_timeout_s: float = dataclasses.field(

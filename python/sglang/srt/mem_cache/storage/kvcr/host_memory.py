@@ -101,7 +101,16 @@ class HostMemory:
                 self._unregister(ptr)
 
     def quarantine(self, buf: torch.Tensor) -> None:
-        """Keep ``buf`` alive and locked for the life of the process: a transfer
-        that never proved it stopped may still write it. Still counted."""
+        """Keep ``buf`` alive and locked until :meth:`reclaim`: a transfer that
+        never proved it stopped may still write it. Still counted."""
         _QUARANTINED.append(buf)
         self._kept.add(buf.data_ptr())
+
+    def reclaim(self, buf: torch.Tensor) -> None:
+        """``buf``'s core has since proven quiescent: it may be reused (still
+        locked, so reuse costs no new registration)."""
+        self._kept.discard(buf.data_ptr())
+        for i, kept in enumerate(_QUARANTINED):
+            if kept is buf:
+                del _QUARANTINED[i]
+                break

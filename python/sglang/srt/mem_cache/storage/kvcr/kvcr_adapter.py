@@ -222,6 +222,9 @@ class KVCRAdapter:
         self._pins = _NoPinFramework()
         self.endpoint = ""  # peer control endpoint, set once KVCR is up
         self._clean_close = True
+        self._retained: Any = None  # the KVCR an unclean close left running
+        self._reclaimer: threading.Thread | None = None
+        self._reclaimed = threading.Event()
         started: Future[None] = Future()
         self._thread = threading.Thread(
             target=self._run,
@@ -353,6 +356,42 @@ class KVCRAdapter:
         if self._failure is not None and not isinstance(self._failure, _ClosedError):
             raise KVCRAdapterFailed("KVCR owner thread failed") from self._failure
         return self._clean_close
+
+    def reclaim(self, timeout_s: float) -> bool:
+        """After an unclean close: whether the retained KVCR has since proven
+        quiescent (a dead peer's operation resolved, e.g. it restarted on the
+        same endpoint) and closed, so the DRAM it held is idle. One thread at a
+        time is the retained KVCR's only caller; waits at most ``timeout_s``."""
+        kv = self._retained
+        if kv is None:
+            return self._clean_close
+        attempt = self._reclaimer
+        if attempt is None or (not attempt.is_alive() and not self._reclaimed.is_set()):
+            attempt = threading.Thread(
+                target=self._reclaim_main,
+                args=(kv,),
+                name=f"{self._thread.name}-reclaim",
+                daemon=True,
+            )
+            self._reclaimer = attempt
+            attempt.start()
+        attempt.join(timeout_s)
+        if not self._reclaimed.is_set():
+            return False
+        self._retained, self._clean_close = None, True
+        for i, retained in enumerate(_RETAINED):
+            if retained is kv:
+                del _RETAINED[i]
+                break
+        return True
+
+    def _reclaim_main(self, kv: Any) -> None:
+        try:
+            if kv.is_quiescent():
+                kv.close()
+                self._reclaimed.set()
+        except Exception:
+            logger.debug("KVCR reclaim attempt failed", exc_info=True)
 
     # ---- budget ------------------------------------------------------------------
 
@@ -543,6 +582,7 @@ class KVCRAdapter:
                 # kvcr keeps backend resources alive when a peer left an operation
                 # unresolved; they stay referenced until the process exits.
                 _RETAINED.append(kv)
+                self._retained = kv
                 self._clean_close = False
                 logger.exception("KVCR close was not clean; resources retained")
 

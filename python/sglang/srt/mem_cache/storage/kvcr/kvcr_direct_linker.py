@@ -67,6 +67,7 @@ from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
 )
 from sglang.srt.mem_cache.storage.kvcr.offload_staging import HostStaging, StageJob
 from sglang.srt.mem_cache.storage.kvcr.plugin import refuse_unsupported_topology
+from sglang.srt.mem_cache.storage.kvcr.quarantine import Quarantine
 from sglang.srt.mem_cache.storage.kvcr.rank_placement import placement_of
 from sglang.srt.mem_cache.storage.kvcr.restore_copy import (
     CpuRestorePlan,
@@ -391,7 +392,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self._removed_hashes: list[str] = []
         self._queued_loads: dict[str, _LoadJob] = {}
         self._staged_slots: dict[int, tuple[int, ...]] = {}  # deposit op -> slots
-        self._quarantined: list[torch.Tensor] = []  # DRAM of non-quiescent cores
+        self._quarantine = Quarantine(self._memory)  # non-quiescent old cores
         # Set once max_quarantined_cores is reached (or at 0 and the first).
         self._peer_fetches_off = False
         # A failed copy pauses new restores until this monotonic time.
@@ -468,7 +469,16 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             self.config.owner_wait_timeout_s
         )
         self._release_all()
-        clean = self._adapter.close() and loads_quiet
+        old = self._adapter
+        clean = old.close() and loads_quiet
+        # Older cores that have proven quiescent since give their DRAM back.
+        if self._quarantine.cores and self._quarantine.reclaim(
+            self.config.owner_wait_timeout_s
+        ):
+            logger.info(
+                "KVCR reset: quarantined cores reclaimed; %d bytes still quarantined",
+                self._quarantine.bytes(),
+            )
         if self._staging is not None and staging_quiet:
             for slots in self._staged_slots.values():
                 self._staging.free(slots)
@@ -487,11 +497,10 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         if not clean:
             # A transfer may still write the old DRAM: quarantine it with its core
             # and give the new KVCR fresh memory.
-            self._quarantined.extend(self._storage.values())
-            for storage in self._storage.values():
-                self._memory.quarantine(storage)
+            self._quarantine.add(old, self._storage)
             self._storage = {
-                name: self._memory.alloc(t.numel()) for name, t in self._storage.items()
+                name: self._quarantine.take(name, t.numel())
+                for name, t in self._storage.items()
             }
             self._factory_args["local_dram_pools"] = self.layout.local_dram_regions(
                 list(self._storage.values())
@@ -501,21 +510,26 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
                 self.quarantined_bytes(),
             )
             if (
-                len(self._quarantined)
-                >= self.config.max_quarantined_cores * len(self._storage)
+                self._quarantine.cores >= self.config.max_quarantined_cores
                 and not self._peer_fetches_off
             ):
                 self._peer_fetches_off = True
                 logger.error(
                     "KVCR: %d bytes quarantined (max_quarantined_cores=%d reached); "
-                    "peer fetches are off for this worker's lifetime, local "
-                    "offload and restore continue",
+                    "peer fetches are off until a flush finds a quarantined core "
+                    "quiescent again; local offload and restore continue",
                     self.quarantined_bytes(),
                     self.config.max_quarantined_cores,
                 )
         else:
             for storage in self._storage.values():
                 storage.zero_()
+        if (
+            self._peer_fetches_off
+            and self._quarantine.cores < self.config.max_quarantined_cores
+        ):
+            self._peer_fetches_off = False
+            logger.info("KVCR: quarantine back under its bound; peer fetches are on")
         # The wrapper fails its own pending offloads on reset; results queued here
         # would otherwise pair with the next offloads by position.
         self._offload_fifo.clear()
@@ -1398,7 +1412,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         return self._memory.pinned_bytes
 
     def quarantined_bytes(self) -> int:
-        return sum(t.numel() for t in self._quarantined)
+        return self._quarantine.bytes()
 
     def claims_held(self) -> int:
         return sum(len(p.claims()) for p in self._preps.values())

@@ -58,8 +58,9 @@ def plan_segments(src_slots: Sequence[tuple[int, ...]]) -> list[Segment]:
 def wide_rows(rows: torch.Tensor) -> torch.Tensor:
     """The same bytes as 16- or 8-byte elements when rows allow: CPU copy and index
     kernels move uint8 rows element by element, several times below memory speed,
-    and 16-byte elements index-copy faster than 8-byte ones (measured 0.81-1.01x
-    of a plain torch copy against 0.72-0.92x). The elements are only moved, never
+    and 16-byte elements index-copy faster than 8-byte ones (as ``make bench``'s
+    copy section showed when both were compared; current figures: "Benchmark
+    figures" in docs/kvcr_direct_linker.md). The elements are only moved, never
     computed on, so every bit pattern (NaN payloads included) arrives intact."""
     for dtype in (torch.complex128, torch.int64):
         try:
