@@ -35,7 +35,11 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
     UnifiedCacheLinker,
 )
 
-from sglang.srt.mem_cache.storage.kvcr import kvcr_layout, model_identity
+from sglang.srt.mem_cache.storage.kvcr import (
+    kvcr_layout,
+    linker_stats,
+    model_identity,
+)
 from sglang.srt.mem_cache.storage.kvcr.config import KVCRLinkerConfig
 from sglang.srt.mem_cache.storage.kvcr.control_auth import InboundGuard
 from sglang.srt.mem_cache.storage.kvcr.device_streams import (
@@ -65,6 +69,7 @@ from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
     PreparationHandle,
     PreparationHooks,
 )
+from sglang.srt.mem_cache.storage.kvcr.linker_stats import LinkerStats
 from sglang.srt.mem_cache.storage.kvcr.offload_staging import HostStaging, StageJob
 from sglang.srt.mem_cache.storage.kvcr.plugin import refuse_unsupported_topology
 from sglang.srt.mem_cache.storage.kvcr.quarantine import Quarantine
@@ -217,45 +222,6 @@ class _DeferredOffload:
     groups: list[_PoolPages]
     fences: tuple[Any, ...]
     deadline: float  # past it with fences pending, the offload fails
-
-
-@dataclasses.dataclass(slots=True)
-class LinkerStats:
-    lookups: int = 0
-    lookup_fast_miss: int = 0
-    hit_pages: int = 0
-    loads: int = 0
-    load_pages: int = 0
-    load_failures: int = 0
-    offloads: int = 0
-    offload_pages: int = 0
-    offload_failures: int = 0
-    prepared: int = 0
-    prepared_pages: int = 0
-    prepare_deadline_expired: int = 0
-    late_claims_released: int = 0
-    miss_prefix_moved: int = 0
-    miss_unclaimed: int = 0
-    miss_restore_disabled: int = 0
-    miss_unprepared: int = 0
-    restore_copy_failures: int = 0
-    hints_self: int = 0  # hints naming this worker: served from local residency
-    hints_quarantine_off: int = 0  # hints ignored: peer fetches off (quarantine)
-    offloaded_bytes: int = 0
-    restored_bytes: int = 0
-    prepare_ms_total: float = 0.0
-    prepare_ms_max: float = 0.0
-    prepare_done: int = 0
-    # Readiness gate: requests it held back at least once and then let through,
-    # the passes they were held for, and the wait from first hold to release.
-    admission_held: int = 0
-    admission_held_passes: int = 0
-    admission_wait_ms_total: float = 0.0
-    admission_wait_ms_max: float = 0.0
-    offload_staging_full: int = 0
-    refused_abandoned: int = 0
-    evicted_pages: int = 0
-    refused_weights_changed: int = 0  # lookups between a weight update and flush
 
 
 class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
@@ -1361,45 +1327,23 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
 
     # ---- stats -----------------------------------------------------------------
 
-    def stats_line(self) -> str:
-        a = self._adapter.stats()
-        s = self.stats
-        return (
-            f"KVCR_STATS lookups={s.lookups} fast_miss={s.lookup_fast_miss} "
-            f"hit_pages={s.hit_pages} loads={s.loads} load_pages={s.load_pages} "
-            f"load_failures={s.load_failures} offloads={s.offloads} "
-            f"offload_pages={s.offload_pages} offload_failures={s.offload_failures} "
-            f"staging_full={s.offload_staging_full} "
-            f"misses={{prefix_moved: {s.miss_prefix_moved}, unclaimed: "
-            f"{s.miss_unclaimed}, restore_disabled: {s.miss_restore_disabled}, "
-            f"unprepared: {s.miss_unprepared}}} "
-            f"restore_copy_failures={s.restore_copy_failures} "
-            f"hints_self={s.hints_self} "
-            f"hints_quarantine_off={s.hints_quarantine_off} "
-            f"peer_fetches_off={int(self._peer_fetches_off)} "
-            f"weights_changed_misses={s.refused_weights_changed} "
-            f"offloaded_bytes={s.offloaded_bytes} restored_bytes={s.restored_bytes} "
-            f"prepare_wait_ms_avg={s.prepare_ms_total / max(1, s.prepare_done):.2f} "
-            f"prepare_wait_ms_max={s.prepare_ms_max:.2f} "
-            f"admission_wait_ms_avg="
-            f"{s.admission_wait_ms_total / max(1, s.admission_held):.2f} "
-            f"admission_wait_ms_max={s.admission_wait_ms_max:.2f} "
-            f"admission_held={s.admission_held} "
-            f"admission_held_passes={s.admission_held_passes} "
-            f"quarantined_bytes={self.quarantined_bytes()} "
-            f"pinned_bytes={self.pinned_bytes()} "
-            f"prepared={s.prepared} prepared_pages={s.prepared_pages} "
-            f"deadline_expired={s.prepare_deadline_expired} "
-            f"evicted_pages={s.evicted_pages} "
-            f"abandoned_bytes={self.abandoned_bytes()} "
-            f"refused_abandoned={s.refused_abandoned} resident_keys={len(self._resident)} "
-            f"claims_held={self.claims_held()} "
-            f"refused_offload={a.refused_offload} refused_prepare={a.refused_prepare} "
-            f"inflight_offload_bytes={a.inflight_offload_bytes} "
-            f"inflight_prepare_bytes={a.inflight_prepare_bytes} "
-            f"inbound_refused={self._factory_args['inbound_guard'].refused} "
-            f"hints={self._hints.stats.as_dict()}"
+    def stats_snapshot(self) -> dict[str, Any]:
+        """Every counter and gauge of the stats line, by name (linker_stats)."""
+        gauges = linker_stats.Gauges(
+            peer_fetches_off=self._peer_fetches_off,
+            quarantined_bytes=self.quarantined_bytes(),
+            pinned_bytes=self.pinned_bytes(),
+            abandoned_bytes=self.abandoned_bytes(),
+            resident_keys=len(self._resident),
+            claims_held=self.claims_held(),
+            inbound_refused=self._factory_args["inbound_guard"].refused,
         )
+        return linker_stats.snapshot(
+            self.stats, gauges, self._adapter.stats(), self._hints.stats.as_dict()
+        )
+
+    def stats_line(self) -> str:
+        return linker_stats.stats_line(self.stats_snapshot())
 
     def _log_stats(self, force: bool = False) -> None:
         now = time.monotonic()

@@ -1,0 +1,146 @@
+"""The linker's counters, and the one snapshot both the stats line and drivers read.
+
+``LinkerStats`` holds what the linker counts as it works. ``Gauges`` are the
+values read off the live state when a snapshot is taken (bytes quarantined, keys
+resident, claims held, ...). ``snapshot`` merges both with the adapter's budget
+counters and the hint parser's, as one flat dict keyed by the names the
+``KVCR_STATS`` line prints (``misses`` and ``hints`` are nested dicts), and
+``stats_line`` formats exactly that dict, so the log line, the drivers that parse
+it and any exporter see the same numbers under the same names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(slots=True)
+class LinkerStats:
+    lookups: int = 0
+    lookup_fast_miss: int = 0
+    hit_pages: int = 0
+    loads: int = 0
+    load_pages: int = 0
+    load_failures: int = 0
+    offloads: int = 0
+    offload_pages: int = 0
+    offload_failures: int = 0
+    prepared: int = 0
+    prepared_pages: int = 0
+    prepare_deadline_expired: int = 0
+    late_claims_released: int = 0
+    miss_prefix_moved: int = 0
+    miss_unclaimed: int = 0
+    miss_restore_disabled: int = 0
+    miss_unprepared: int = 0
+    restore_copy_failures: int = 0
+    hints_self: int = 0  # hints naming this worker: served from local residency
+    hints_quarantine_off: int = 0  # hints ignored: peer fetches off (quarantine)
+    offloaded_bytes: int = 0
+    restored_bytes: int = 0
+    prepare_ms_total: float = 0.0
+    prepare_ms_max: float = 0.0
+    prepare_done: int = 0
+    # Readiness gate: requests it held back at least once and then let through,
+    # the passes they were held for, and the wait from first hold to release.
+    admission_held: int = 0
+    admission_held_passes: int = 0
+    admission_wait_ms_total: float = 0.0
+    admission_wait_ms_max: float = 0.0
+    offload_staging_full: int = 0
+    refused_abandoned: int = 0
+    evicted_pages: int = 0
+    refused_weights_changed: int = 0  # lookups between a weight update and flush
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Gauges:
+    """Values read off the linker's live state for one snapshot."""
+
+    peer_fetches_off: bool
+    quarantined_bytes: int
+    pinned_bytes: int
+    abandoned_bytes: int
+    resident_keys: int
+    claims_held: int
+    inbound_refused: int
+
+
+def snapshot(
+    s: LinkerStats, g: Gauges, adapter: Any, hints: dict[str, int]
+) -> dict[str, Any]:
+    """Every number of the stats line, by its name in the line, in its order."""
+    return {
+        "lookups": s.lookups,
+        "fast_miss": s.lookup_fast_miss,
+        "hit_pages": s.hit_pages,
+        "loads": s.loads,
+        "load_pages": s.load_pages,
+        "load_failures": s.load_failures,
+        "offloads": s.offloads,
+        "offload_pages": s.offload_pages,
+        "offload_failures": s.offload_failures,
+        "staging_full": s.offload_staging_full,
+        "misses": {
+            "prefix_moved": s.miss_prefix_moved,
+            "unclaimed": s.miss_unclaimed,
+            "restore_disabled": s.miss_restore_disabled,
+            "unprepared": s.miss_unprepared,
+        },
+        "restore_copy_failures": s.restore_copy_failures,
+        "hints_self": s.hints_self,
+        "hints_quarantine_off": s.hints_quarantine_off,
+        "peer_fetches_off": int(g.peer_fetches_off),
+        "weights_changed_misses": s.refused_weights_changed,
+        "offloaded_bytes": s.offloaded_bytes,
+        "restored_bytes": s.restored_bytes,
+        "prepare_wait_ms_avg": round(s.prepare_ms_total / max(1, s.prepare_done), 2),
+        "prepare_wait_ms_max": round(s.prepare_ms_max, 2),
+        "admission_wait_ms_avg": round(
+            s.admission_wait_ms_total / max(1, s.admission_held), 2
+        ),
+        "admission_wait_ms_max": round(s.admission_wait_ms_max, 2),
+        "admission_held": s.admission_held,
+        "admission_held_passes": s.admission_held_passes,
+        "quarantined_bytes": g.quarantined_bytes,
+        "pinned_bytes": g.pinned_bytes,
+        "prepared": s.prepared,
+        "prepared_pages": s.prepared_pages,
+        "deadline_expired": s.prepare_deadline_expired,
+        "evicted_pages": s.evicted_pages,
+        "abandoned_bytes": g.abandoned_bytes,
+        "refused_abandoned": s.refused_abandoned,
+        "resident_keys": g.resident_keys,
+        "claims_held": g.claims_held,
+        "refused_offload": adapter.refused_offload,
+        "refused_prepare": adapter.refused_prepare,
+        "inflight_offload_bytes": adapter.inflight_offload_bytes,
+        "inflight_prepare_bytes": adapter.inflight_prepare_bytes,
+        "inbound_refused": g.inbound_refused,
+        "hints": dict(hints),
+    }
+
+
+_FLOATS = frozenset(
+    {
+        "prepare_wait_ms_avg",
+        "prepare_wait_ms_max",
+        "admission_wait_ms_avg",
+        "admission_wait_ms_max",
+    }
+)
+
+
+def stats_line(values: dict[str, Any]) -> str:
+    """The ``KVCR_STATS`` log line of a snapshot."""
+    parts = []
+    for name, value in values.items():
+        if name == "misses":
+            inner = ", ".join(f"{k}: {v}" for k, v in value.items())
+            parts.append(f"misses={{{inner}}}")
+        elif name in _FLOATS:
+            parts.append(f"{name}={value:.2f}")
+        else:
+            parts.append(f"{name}={value}")
+    return "KVCR_STATS " + " ".join(parts)
