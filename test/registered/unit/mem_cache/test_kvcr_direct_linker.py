@@ -264,13 +264,13 @@ def test_split_offload_is_admitted_or_refused_as_a_whole(pool, monkeypatch):
         assert [lk.pop_completed_offload(), lk.pop_completed_offload()] == [True, False]
         assert lk._adapter.stats().refused_offload == 1
         assert not any(
-            lk.layout.block_key(h, "kv") in lk._resident for h in big
+            lk.layout.block_key(h, "kv") in lk.residency for h in big
         )  # neither half was written
         # Alone, the same 4-page offload (twice the budget) is admitted whole.
         assert offload_and_commit(lk, big, [1, 2, 3, 4]) is True
         wait_until(
             lambda: lk.num_completed_offloads() == 0
-            and all(lk.layout.block_key(h, "kv") in lk._resident for h in big),
+            and all(lk.layout.block_key(h, "kv") in lk.residency for h in big),
             what="residency mirror",
         )
     finally:

@@ -74,6 +74,7 @@ from sglang.srt.mem_cache.storage.kvcr.offload_staging import HostStaging, Stage
 from sglang.srt.mem_cache.storage.kvcr.plugin import refuse_unsupported_topology
 from sglang.srt.mem_cache.storage.kvcr.quarantine import Quarantine
 from sglang.srt.mem_cache.storage.kvcr.rank_placement import placement_of
+from sglang.srt.mem_cache.storage.kvcr.residency import Residency
 from sglang.srt.mem_cache.storage.kvcr.restore_copy import (
     CpuRestorePlan,
     SpanRestore,
@@ -354,8 +355,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         # Direct-path offloads built and submitted by a pump once their fences
         # have completed, in order.
         self._deferred_deposits: list[_DeferredOffload] = []
-        self._resident: set[bytes] = set()
-        self._removed_hashes: list[str] = []
+        self.residency = Residency(self.layout)
         self._queued_loads: dict[str, _LoadJob] = {}
         self._staged_slots: dict[int, tuple[int, ...]] = {}  # deposit op -> slots
         self._quarantine = Quarantine(self._memory)  # non-quiescent old cores
@@ -457,8 +457,6 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self._op_owner.clear()
         self._abandoned.clear()
         self._held.clear()
-        self._resident.clear()
-        self._removed_hashes.clear()
         self._offload_pending.clear()
         if not clean:
             # A transfer may still write the old DRAM: quarantine it with its core
@@ -505,6 +503,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             self._identity, self._pending_identity = self._pending_identity, None
             self.layout = self.layout.with_identity(self._identity)
             self._factory_args["key_adapter"] = kvcr_layout.KeyAdapter(self.layout)
+        self.residency.reset(self.layout)
         self._adapter = self._start_adapter()
         logger.info(
             "KVCR linker reset: residency cleared, endpoint=%s digest=%s",
@@ -614,20 +613,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self._log_stats()
 
     def _on_inventory(self, change: InventoryChange) -> None:
-        if change.removed:
-            # A page whose object in any pool (kv, draft, a second KV pool, swa)
-            # was evicted is no longer whole in KVCR: its stored mark must clear
-            # so the node is offloaded again.
-            self._resident.difference_update(change.keys)
-            pages = {
-                parsed[0]
-                for parsed in map(self._parse_key, change.keys)
-                if parsed is not None
-            }
-            self._removed_hashes.extend(sorted(pages))
-            self.stats.evicted_pages += len(pages)
-        else:
-            self._resident.update(change.keys)
+        self.stats.evicted_pages += self.residency.on_inventory(change)
 
     def _on_offload_done(self, done: OpDone) -> None:
         record = self._offload_pending.pop(done.op_id, None)
@@ -660,7 +646,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         else:
             prep.pending_ops.discard(done.op_id)
             for key, entry in done.entries.items():
-                parsed = self._parse_key(key)
+                parsed = self.residency.parse_key(key)
                 if entry.status is not EntryStatus.SUCCESS or parsed is None:
                     if entry.claim is not None:
                         late.append(entry.claim)
@@ -690,14 +676,6 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             self.stats.late_claims_released += len(late)
             self._adapter.submit(Release(tuple(late)))
 
-    def _parse_key(self, key: bytes) -> tuple[str, str] | None:
-        """(page hash, pool) of one of our keys; None for anything else."""
-        try:
-            page_hash, _, pool = self.layout.parse_key(key.decode())
-        except (ValueError, UnicodeDecodeError):
-            return None
-        return page_hash, pool
-
     @staticmethod
     def _page_index(prep: Preparation, page_hash: str) -> int | None:
         return prep.index_of(page_hash)
@@ -726,7 +704,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         wanted = 0
         for page_hash in page_hashes:
             if (
-                not self._resident_in(page_hash, self._full_pools)
+                not self.residency.holds(page_hash, self._full_pools)
                 and page_hash not in hinted
             ):
                 break
@@ -762,7 +740,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         window_set = {
             h
             for h in page_hashes[:wanted]
-            if h in hinted or self._resident_in(h, self._window_pools)
+            if h in hinted or self.residency.holds(h, self._window_pools)
         }
         for start in range(0, wanted, chunk):
             span = page_hashes[start : min(wanted, start + chunk)]
@@ -771,8 +749,8 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
                 keys = [self.layout.block_key(h, pool.name) for h in pages]
                 # Resident keys only take a claim (no bytes move: nothing to
                 # charge); the rest come from the hinted peer and are charged.
-                local = tuple(k for k in keys if k in self._resident)
-                remote = tuple(k for k in keys if k not in self._resident)
+                local = tuple(k for k in keys if k in self.residency)
+                remote = tuple(k for k in keys if k not in self.residency)
                 for chunk_keys, moved in ((local, False), (remote, True)):
                     if not chunk_keys:
                         continue
@@ -798,11 +776,6 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
                         envelope = None
         self._pump()
         return ctx.handle
-
-    def _resident_in(self, page_hash: str, pools: tuple[Any, ...]) -> bool:
-        return all(
-            self.layout.block_key(page_hash, p.name) in self._resident for p in pools
-        )
 
     def _mark_ready(self, prep: Preparation) -> None:
         if prep.state is PrepState.FETCHING:
@@ -869,8 +842,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self.release_request(rid)
 
     def take_removed_page_hashes(self) -> list[str]:
-        removed, self._removed_hashes = self._removed_hashes, []
-        return removed
+        return self.residency.take_removed()
 
     def abandoned_bytes(self) -> int:
         """Bytes still being fetched for preparations that were dropped."""
@@ -910,7 +882,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             # Never prepared (it reached the tree without passing the enqueue
             # hook): a miss, never a wait on the scheduler thread.
             first = self.layout.block_key(page_hashes[0], self.layout.pools[0].name)
-            if first not in self._resident:
+            if first not in self.residency:
                 self.stats.lookup_fast_miss += 1
             else:
                 self.stats.miss_unprepared += 1
@@ -1334,7 +1306,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             quarantined_bytes=self.quarantined_bytes(),
             pinned_bytes=self.pinned_bytes(),
             abandoned_bytes=self.abandoned_bytes(),
-            resident_keys=len(self._resident),
+            resident_keys=len(self.residency),
             claims_held=self.claims_held(),
             inbound_refused=self._factory_args["inbound_guard"].refused,
         )
