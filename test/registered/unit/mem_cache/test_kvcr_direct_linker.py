@@ -25,6 +25,7 @@ from cpu_harness.kvcr_pages import (
 from cpu_harness.kvcr_pages import fill_random as fill_pages
 from sglang.srt.mem_cache.storage.kvcr.errors import KVCRConfigError
 from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
+from sglang.srt.mem_cache.storage.kvcr.preparation import FetchOwner
 
 pytestmark = pytest.mark.kvcr
 
@@ -72,7 +73,7 @@ def test_gpu_restore_branch_gathers_byte_exact_on_cpu(pool, linker):
     land exactly."""
     from sglang.srt.mem_cache.storage.kvcr.restore_copy import SpanRestore
 
-    linker._span_restore = span = SpanRestore(torch.device("cpu"))
+    linker.restorer.span_restore = span = SpanRestore(torch.device("cpu"))
     fill_pages(pool, [1, 2, 3], seed=31)
     hashes = page_hashes(3, "gpu-branch")
     originals = [page_bytes(pool, p).clone() for p in (1, 2, 3)]
@@ -224,9 +225,9 @@ def test_offload_results_stay_positional_when_refused(pool):
 
 def test_split_offload_has_one_fifo_result_and_restores_every_page(pool, monkeypatch):
     """A large offload goes to KVCR as two deposits but stays one FIFO result."""
-    from sglang.srt.mem_cache.storage.kvcr import kvcr_direct_linker
+    from sglang.srt.mem_cache.storage.kvcr import offload_queue
 
-    monkeypatch.setattr(kvcr_direct_linker, "_SPLIT_DEPOSIT_BYTES", 0)
+    monkeypatch.setattr(offload_queue, "SPLIT_DEPOSIT_BYTES", 0)
     lk = make_linker(pool)
     try:
         fill_pages(pool, [1, 2, 3], seed=21)
@@ -250,9 +251,9 @@ def test_split_offload_is_admitted_or_refused_as_a_whole(pool, monkeypatch):
     """The deposits of one split offload share one budget charge: refused together
     while other work is in flight (no half lands in KVCR), admitted together when
     alone even above the budget."""
-    from sglang.srt.mem_cache.storage.kvcr import kvcr_direct_linker
+    from sglang.srt.mem_cache.storage.kvcr import offload_queue
 
-    monkeypatch.setattr(kvcr_direct_linker, "_SPLIT_DEPOSIT_BYTES", 0)
+    monkeypatch.setattr(offload_queue, "SPLIT_DEPOSIT_BYTES", 0)
     page_total = LAYERS * 2 * PAGE * HEADS * DIM * 2
     lk = make_linker(pool, max_inflight_offload_bytes=2 * page_total)
     try:
@@ -395,8 +396,8 @@ def test_reset_forgets_what_the_old_core_owed(pool):
         fill_pages(pool, [1, 2], seed=12)
         hashes = page_hashes(2, "owed")
         assert offload_and_commit(lk, hashes, [1, 2]) is True
-        lk._abandoned[10**9] = 1 << 20  # an op of the old core, never to complete
-        lk._op_owner[10**9] = ("gone", 1 << 20)
+        # An op of the old core, never to complete.
+        lk.preparations.abandon(10**9, FetchOwner("gone", 1 << 20))
         assert lk.abandoned_bytes() > 1
         lk.reset()
         assert lk.abandoned_bytes() == 0
@@ -443,13 +444,13 @@ def test_staged_offload_round_trip_is_byte_exact_and_returns_its_slots(pool):
     """offload_path=staged copies pages to host staging, deposits, frees the slots."""
     lk = make_linker(pool, offload_path="staged")
     try:
-        assert lk._staging is not None
-        free_before = lk._staging.free_slots
+        assert lk.offloader.staging is not None
+        free_before = lk.offloader.staging.free_slots
         fill_pages(pool, [1, 2, 3], seed=13)
         want = [page_bytes(pool, p).clone() for p in (1, 2, 3)]
         hashes = page_hashes(3, "st")
         assert offload_and_commit(lk, hashes, [1, 2, 3]) is True
-        assert lk._staging.free_slots == free_before
+        assert lk.offloader.staging.free_slots == free_before
         fill_pages(pool, [1, 2, 3], seed=14)
         handle = lk.prepare_request(LinkerRequestContext("st"), kv_transfer(hashes))
         wait_until(lambda: lk.preparation_ready(handle), what="prepare")
@@ -465,7 +466,7 @@ def test_full_staging_area_fails_the_offload_in_fifo_order(pool):
     page_total = LAYERS * 2 * PAGE * HEADS * DIM * 2
     lk = make_linker(pool, offload_path="staged", max_inflight_offload_bytes=page_total)
     try:
-        assert lk._staging.pages == 1
+        assert lk.offloader.staging.pages == 1
         fill_pages(pool, [1, 2], seed=15)
         assert lk.offload(kv_transfer(page_hashes(2, "big"), [1, 2])) is True
         assert lk.offload(kv_transfer(page_hashes(1, "ok"), [1])) is True
@@ -521,10 +522,12 @@ def test_a_failed_restore_copy_fails_the_batch_and_stops_new_restores(pool, link
     wait_until(lambda: linker.preparation_ready(handle), what="prepare")
     assert linker.lookup("cf", kv_transfer(hashes)) == [1, 2]
 
-    def broken(index, jobs):
+    def broken(*args):
         raise RuntimeError("injected copy failure at layer 1")
 
-    linker._copy_batch = broken  # a device copy cannot be made to fail for real here
+    linker.restorer.copy_batch = (
+        broken  # a device copy cannot be made to fail for real here
+    )
     released = linker._adapter.stats().claims_released
     assert restore(linker, "cf", hashes, [30, 31]) is False
     wait_until(
@@ -540,7 +543,7 @@ def test_a_failed_restore_copy_fails_the_batch_and_stops_new_restores(pool, link
 
 def test_unquiescent_core_at_reset_keeps_its_dram_quarantined(pool, linker):
     """If KVCR cannot prove quiescence, its DRAM is never reused by the new core."""
-    old = dict(linker._storage)
+    old = dict(linker.dram.storage)
     real_close = linker._adapter.close
 
     def unquiescent_close(timeout_s=None):
@@ -551,7 +554,7 @@ def test_unquiescent_core_at_reset_keeps_its_dram_quarantined(pool, linker):
     linker.reset()
     assert linker.quarantined_bytes() == sum(t.numel() for t in old.values())
     for name, tensor in old.items():
-        assert linker._storage[name].data_ptr() != tensor.data_ptr()
+        assert linker.dram.storage[name].data_ptr() != tensor.data_ptr()
     assert "quarantined_bytes=" in linker.stats_line()
     # The new core works on its fresh DRAM.
     fill_pages(pool, [3], seed=18)

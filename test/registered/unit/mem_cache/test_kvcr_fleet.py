@@ -35,7 +35,7 @@ from cpu_harness.kvcr_pages import (
     wrong_bytes,
 )
 from sglang.srt.mem_cache.storage.kvcr import integration
-from sglang.srt.mem_cache.storage.kvcr import kvcr_direct_linker as linker_mod
+from sglang.srt.mem_cache.storage.kvcr import restore as restore_mod
 from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import InventoryChange
 from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
     LinkerRequestContext,
@@ -81,7 +81,7 @@ def test_a_request_whose_claims_went_missing_is_aborted_alone(pool, linker):
     assert offload_and_commit(linker, bad, [3, 4], "cpu") is True
     prepare(linker, "good", good)
     prepare(linker, "bad", bad)
-    linker._preps["bad"].landed.pop(1)  # one claim gone (e.g. a failed fetch)
+    linker.preparations.get("bad").landed.pop(1)  # one claim gone (e.g. a failed fetch)
     assert linker.load("good", kv_transfer(good, [20, 21])) is True
     assert linker.load("bad", kv_transfer(bad, [22, 23])) is True
     index = linker.start_layer_wise_loading()
@@ -106,22 +106,22 @@ def test_linkers_without_per_request_verdicts_keep_the_batch_verdict():
 def test_a_failed_copy_pauses_restores_then_they_resume(pool, linker, monkeypatch):
     """A copy error fails its batch and pauses restores; once the pause is over,
     a fresh batch restores normally (not disabled for the process's life)."""
-    monkeypatch.setattr(linker_mod, "_RESTORE_PAUSE_S", 0.3)
+    monkeypatch.setattr(restore_mod, "RESTORE_PAUSE_S", 0.3)
     fill_random(pool, [1, 2], seed=17)
     want = [page_bytes(pool, p) for p in (1, 2)]
     hashes = hashes_for(2, "cf")
     assert offload_and_commit(linker, hashes, [1, 2], "cpu") is True
     prepare(linker, "cf", hashes)
-    real = linker._copy_batch
+    real = linker.restorer.copy_batch
 
     def broken(*args):
         raise RuntimeError("injected copy failure")
 
-    linker._copy_batch = broken  # a device copy cannot be made to fail for real
+    linker.restorer.copy_batch = broken  # a device copy cannot be made to fail for real
     assert linker.load("cf", kv_transfer(hashes, [30, 31])) is True
     assert linker.finish_layer_wise_loading(linker.start_layer_wise_loading()) is False
     assert linker.stats.restore_copy_failures == 1
-    linker._copy_batch = real
+    linker.restorer.copy_batch = real
     handle = linker.prepare_request(LinkerRequestContext("cf2"), kv_transfer(hashes))
     wait_until(lambda: linker.preparation_ready(handle), what="prepared")
     assert linker.lookup("cf2", kv_transfer(hashes)) == []  # paused
@@ -185,7 +185,9 @@ def test_a_page_evicted_from_any_pool_is_reported_removed(pool):
             lk.layout.block_key(hashes[2], kv),
             b"not-one-of-ours",
         )
-        lk._on_inventory(InventoryChange(keys=keys, removed=True))
+        lk.stats.evicted_pages += lk.residency.on_inventory(
+            InventoryChange(keys=keys, removed=True)
+        )
         assert lk.take_removed_page_hashes() == sorted(hashes)
         assert lk.stats.evicted_pages == 3
     finally:
@@ -345,6 +347,7 @@ class _RetainedKVCR:
     def __init__(self) -> None:
         self.quiescent = False
         self.closed = 0
+        self._core = self  # kvcr asks its core
 
     def is_quiescent(self) -> bool:
         return self.quiescent
@@ -373,14 +376,14 @@ def test_a_quarantined_core_that_proves_quiescent_gives_its_dram_back(pool):
     try:
         hashes = hashes_for(2, "reclaim")
         peer_hint = fetch_hint("tcp://127.0.0.1:1", hashes)
-        original = dict(lk._storage)
+        original = dict(lk.dram.storage)
         first = {name: t.data_ptr() for name, t in original.items()}
         retained = _RetainedKVCR()
         _close_uncleanly(lk._adapter, retained)
         lk.reset()
         quarantined = lk.quarantined_bytes()
-        assert quarantined == sum(t.numel() for t in lk._storage.values()) > 0
-        assert all(lk._storage[n].data_ptr() != p for n, p in first.items())
+        assert quarantined == sum(t.numel() for t in lk.dram.storage.values()) > 0
+        assert all(lk.dram.storage[n].data_ptr() != p for n, p in first.items())
         assert "peer_fetches_off=1" in lk.stats_line()
         lk.reset()  # still unresolved: still quarantined, nothing reused
         assert lk.quarantined_bytes() == quarantined and retained.closed == 0
@@ -396,8 +399,8 @@ def test_a_quarantined_core_that_proves_quiescent_gives_its_dram_back(pool):
             t.fill_(7)  # what the old core left in it
         _close_uncleanly(lk._adapter, _RetainedKVCR())
         lk.reset()
-        assert {n: t.data_ptr() for n, t in lk._storage.items()} == first
-        assert all(int(t.count_nonzero()) == 0 for t in lk._storage.values())
+        assert {n: t.data_ptr() for n, t in lk.dram.storage.items()} == first
+        assert all(int(t.count_nonzero()) == 0 for t in lk.dram.storage.values())
     finally:
         lk.close()
 

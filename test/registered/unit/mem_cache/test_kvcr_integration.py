@@ -508,23 +508,23 @@ def test_admission_wait_counts_a_held_request_once_and_nothing_else(make_stack):
     wait_ms = stat(linker, "admission_wait_ms_max")
     assert 0 < wait_ms <= elapsed_ms
     assert stat(linker, "admission_wait_ms_avg") == wait_ms
-    assert linker._held == {}
+    assert linker.preparations.held_rids() == []
 
 
 def test_admission_records_are_bounded_and_cleared_by_reset(make_stack, monkeypatch):
     """Held requests that never come back age out past the bound; reset forgets all."""
-    from sglang.srt.mem_cache.storage.kvcr import kvcr_direct_linker
+    from sglang.srt.mem_cache.storage.kvcr import preparation
 
     linker = make_stack().linker
-    monkeypatch.setattr(kvcr_direct_linker, "_MAX_HELD_TRACKED", 2)
+    monkeypatch.setattr(preparation, "_MAX_HELD_TRACKED", 2)
     linker.note_admission(["a", "b", "c"], [False, False, False])
-    assert list(linker._held) == ["b", "c"]
+    assert linker.preparations.held_rids() == ["b", "c"]
     linker.note_admission(["a", "b", "c"], [True, True, True])
     assert stat(linker, "admission_held") == 2
-    assert linker._held == {}
+    assert linker.preparations.held_rids() == []
     linker.note_admission(["d"], [False])
     linker.reset()
-    assert linker._held == {}
+    assert linker.preparations.held_rids() == []
 
 
 # ---- 3. EXTERNAL stored events ----------------------------------------------------

@@ -367,7 +367,7 @@ def _offload_scenario(
         out["second_committed"] = [list(c) for c in committed]
         out["second_path"] = _path(cache, second)
         out["pending_after_second"] = len(cache.linker.pending_offloads)
-        out["linker_fifo_after"] = len(linker._offload_fifo)
+        out["linker_fifo_after"] = len(linker.offloader.queue)
         out["refused_after_second"] = (
             linker._adapter.stats().refused_offload + linker.stats.offload_staging_full
         )

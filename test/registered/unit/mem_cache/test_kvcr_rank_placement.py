@@ -127,7 +127,7 @@ def test_an_unknown_dp_rank_is_refused_naming_the_flag(monkeypatch):
 
 
 def _storage_bytes(lk):
-    return sum(t.numel() * t.element_size() for t in lk._storage.values())
+    return sum(t.numel() * t.element_size() for t in lk.dram.storage.values())
 
 
 def test_a_linker_of_the_second_replica_binds_its_own_port_and_half_the_dram(
@@ -158,8 +158,12 @@ def test_a_linker_of_the_second_replica_binds_its_own_port_and_half_the_dram(
             for ranks in (1, 2)
         ]
         assert pages[1] < pages[0]
-        assert _storage_bytes(single) == pages[0] * single._page_total
-        assert _storage_bytes(second) == pages[1] * second._page_total
+        assert _storage_bytes(single) == pages[0] * sum(
+            p.page_bytes * len(p.spans) for p in single.layout.pools
+        )
+        assert _storage_bytes(second) == pages[1] * sum(
+            p.page_bytes * len(p.spans) for p in second.layout.pools
+        )
     finally:
         for lk in linkers:
             lk.close()

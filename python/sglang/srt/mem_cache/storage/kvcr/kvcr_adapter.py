@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
-from sglang.srt.mem_cache.storage.kvcr import control_auth, progress_pacer
+from sglang.srt.mem_cache.storage.kvcr import control_auth, kvcr_patches
 from sglang.srt.mem_cache.storage.kvcr.errors import (
     KVCRAdapterFailed,
     KVCRTimeoutError,
@@ -337,6 +337,12 @@ class KVCRAdapter:
             time.sleep(0.002)
         return False
 
+    def claims_outstanding(self) -> int:
+        """Residency claims this KVCR holds (0 once closed)."""
+        if self._failure is not None:
+            return 0
+        return int(self.call(kvcr_patches.public_claims))
+
     def stats(self) -> AdapterStats:
         with self._stats_lock:
             return dataclasses.replace(self._stats)
@@ -387,7 +393,7 @@ class KVCRAdapter:
 
     def _reclaim_main(self, kv: Any) -> None:
         try:
-            if kv.is_quiescent():
+            if kvcr_patches.core_is_quiescent(kv):
                 kv.close()
                 self._reclaimed.set()
         except Exception:
@@ -485,7 +491,7 @@ class KVCRAdapter:
 
     def _execute(self, command: object) -> None:
         self._execute_command(command)
-        progress_pacer.wake()  # KVCR may have new work: its progress loop polls now
+        kvcr_patches.wake()  # KVCR may have new work: its progress loop polls now
 
     def _execute_command(self, command: object) -> None:
         kv = self._kvcr
@@ -535,7 +541,7 @@ class KVCRAdapter:
             # Follow-up work (a declined pin's answer, the next step of an
             # exchange) may now sit in KVCR's progress queue: do not let it wait
             # out an idle period there.
-            progress_pacer.wake()
+            kvcr_patches.wake()
         for handle, entries in completed:
             op = self._inflight.pop(handle, None)
             if op is None:
@@ -684,7 +690,7 @@ def make_kvcr_factory(
     who connects."""
 
     def build(callbacks: Callbacks) -> Any:
-        progress_pacer.configure(progress_idle_ms)
+        kvcr_patches.configure(progress_idle_ms)
         from kvcr import KVCR, KVCRBindings
         from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions
         from kvcr.control_channels import ZmqPeerControlChannel
@@ -706,7 +712,7 @@ def make_kvcr_factory(
         build.endpoint = str(control.endpoint)  # type: ignore[attr-defined]
         policy = LRUPolicy() if eviction_policy == "lru" else FIFOPolicy()
         try:
-            with _progress_thread_setting(nixl_progress_thread):
+            with kvcr_patches.progress_thread_setting(nixl_progress_thread):
                 return KVCR(
                     KVCRConfig(
                         nixl_agent_name=agent_name,
@@ -737,42 +743,6 @@ def make_kvcr_factory(
             raise
 
     return build
-
-
-_PROGRESS_LOCK = threading.Lock()
-_progress_enabled = True
-_patched = False
-
-
-class _progress_thread_setting:
-    """Build a KVCR with NIXL's busy-polling progress thread on or off.
-
-    kvcr 0.1.1 offers no switch, so its ``nixl_agent_config`` is wrapped once to
-    read this module's setting; the lock makes the setting per construction.
-    """
-
-    def __init__(self, enabled: bool) -> None:
-        self._enabled = enabled
-
-    def __enter__(self) -> None:
-        global _progress_enabled, _patched
-        _PROGRESS_LOCK.acquire()
-        if not _patched:
-            import kvcr.progress as progress
-
-            original = progress.nixl_agent_config
-
-            def config(*args: Any, **kwargs: Any) -> Any:
-                return original(
-                    *args, **{**kwargs, "enable_prog_thread": _progress_enabled}
-                )
-
-            progress.nixl_agent_config = config
-            _patched = True
-        _progress_enabled = self._enabled
-
-    def __exit__(self, *exc: object) -> None:
-        _PROGRESS_LOCK.release()
 
 
 def _channel_on_own_port(channel_cls: Any, bind_host: str, advertise_host: str) -> Any:

@@ -249,3 +249,47 @@ def model_identity_fields(server_args: Any) -> dict[str, Any]:
 def new_weights_version() -> str:
     """A version no other worker has: weights replaced in memory are unknowable."""
     return "mem:" + uuid.uuid4().hex
+
+
+class WeightsTracker:
+    """The identity pages are keyed by, through in-place weight updates.
+
+    ``changing`` records the identity of the weights now being served: the
+    checkpoint's content for a disk update of a local checkpoint without a draft
+    model, else a version no other worker has. Until ``take_pending`` (the flush
+    that re-keys KVCR) every page is refused: ``pending`` is true.
+    """
+
+    def __init__(self, identity: Any, load_format: str) -> None:
+        self.identity = identity
+        self._pending: Any = None
+        self._load_format = load_format
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def changing(self, model_path: str | None, load_format: str | None) -> None:
+        import dataclasses
+        import os
+
+        identity = self._pending or self.identity
+        if model_path is not None and os.path.exists(model_path) and not identity.draft:
+            checkpoint = weights_fingerprint(
+                model_path, identity.revision, load_format or self._load_format
+            )
+            identity = dataclasses.replace(
+                identity, checkpoint=checkpoint, weights_version=""
+            )
+        else:
+            identity = dataclasses.replace(
+                identity, weights_version=new_weights_version()
+            )
+        self._pending = identity
+
+    def take_pending(self) -> Any:
+        """The new identity (now current), or None when nothing changed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.identity = pending
+        return pending

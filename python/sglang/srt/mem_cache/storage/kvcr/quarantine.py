@@ -14,11 +14,14 @@ and registering new memory.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
 
 from sglang.srt.mem_cache.storage.kvcr.host_memory import HostMemory
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
@@ -71,3 +74,65 @@ class Quarantine:
                 del spares[i]
                 return buf.zero_()
         return self._memory.alloc(nbytes)
+
+
+class KVCRDram:
+    """One rank's KVCR DRAM share per pool, through every flush: zeroed and kept
+    after a clean close; after an unclean one quarantined with its core and
+    replaced (by reclaimed spare DRAM when there is some). Past
+    ``max_cores`` quarantined cores, ``peer_fetches_off`` says peer fetches
+    stop; it clears once reclaiming brings the count back under the bound."""
+
+    def __init__(self, memory: HostMemory, pools: Any, max_cores: int) -> None:
+        self.memory = memory
+        self.storage = {pool.name: memory.alloc(pool.bytes) for pool in pools}
+        self.quarantine = Quarantine(memory)
+        self.max_cores = max_cores
+        self.peer_fetches_off = False
+
+    def flush(self, old_core: Any, clean: bool, timeout_s: float) -> bool:
+        """The core was closed (``clean``: provably quiescent); returns whether the
+        storage was replaced (the next core must be given the new regions)."""
+        if self.quarantine.cores and self.quarantine.reclaim(timeout_s):
+            logger.info(
+                "KVCR reset: quarantined cores reclaimed; %d bytes still quarantined",
+                self.quarantine.bytes(),
+            )
+        replaced = not clean
+        if replaced:
+            # A transfer may still write the old DRAM: quarantine it with its core
+            # and give the new KVCR other memory.
+            self.quarantine.add(old_core, self.storage)
+            self.storage = {
+                name: self.quarantine.take(name, t.numel())
+                for name, t in self.storage.items()
+            }
+            logger.error(
+                "KVCR reset: old core not quiescent; %d bytes quarantined",
+                self.quarantine.bytes(),
+            )
+        else:
+            for storage in self.storage.values():
+                storage.zero_()
+        over = self.quarantine.cores >= self.max_cores and self.quarantine.cores > 0
+        if over and not self.peer_fetches_off:
+            logger.error(
+                "KVCR: %d bytes quarantined (max_quarantined_cores=%d reached); "
+                "peer fetches are off until a flush finds a quarantined core "
+                "quiescent again; local offload and restore continue",
+                self.quarantine.bytes(),
+                self.max_cores,
+            )
+        elif self.peer_fetches_off and not over:
+            logger.info("KVCR: quarantine back under its bound; peer fetches are on")
+        self.peer_fetches_off = over
+        return replaced
+
+    def close(self, quiet: bool, extra: list[torch.Tensor]) -> None:
+        """Unlock the DRAM (and ``extra`` buffers) when nothing can touch it any
+        more; else keep it for the process's life."""
+        for buf in [*self.storage.values(), *extra]:
+            if quiet:
+                self.memory.release(buf)
+            else:
+                self.memory.quarantine(buf)

@@ -268,3 +268,21 @@ def _hash_to_u64(item: object) -> int:
         return value & _U64 if -(1 << 63) <= value < (1 << 64) else -1
     match = _HEX16.fullmatch(item) if isinstance(item, str) else None
     return int(match.group(1), 16) if match else -1
+
+
+def hinted_pages(
+    hint: FetchHint | None,
+    page_hashes: list[str],
+    event_hashes: tuple[frozenset[int], ...],
+) -> frozenset[str]:
+    """The tail pages ``hint`` names: by storage hash, or by any hash a worker
+    publishes for the page in its KV events (a namespaced request's)."""
+    if hint is None:
+        return frozenset()
+    named = set(hint.block_hashes)
+    return frozenset(
+        page_hash
+        for i, page_hash in enumerate(page_hashes)
+        if page_hash_to_u64(page_hash) in named
+        or (i < len(event_hashes) and not named.isdisjoint(event_hashes[i]))
+    )

@@ -1,0 +1,194 @@
+"""What the linker reads off SGLang at start-up, and what it refuses.
+
+The attention rank and group size from the cache groups, the model identity a
+page's digest covers, the one draft KV pool (if any), the pools the wrapper hands
+the linker (FULL, or FULL+SWA over an ``SWAKVPool``), and the refusal of the
+unified virtual-page memory pool on SWA models: each refusal names the model
+family and the flag to change. Then the rank's resources: its KVCR DRAM share,
+the span restorer and staging area, the byte views restores copy into, and the
+arguments every KVCR incarnation is built with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import PoolName
+
+from sglang.srt.mem_cache.storage.kvcr import kvcr_layout, model_identity
+from sglang.srt.mem_cache.storage.kvcr.kvcr_layout import KVCRLayoutError
+
+logger = logging.getLogger(__name__)
+
+
+def attn_rank(params: Any) -> tuple[int, int]:
+    """(attention-TP rank, size) of this process from its cache groups."""
+    group = getattr(params, "attn_tp_cache_group", None) or getattr(
+        params, "tp_cache_group", None
+    )
+    if group is None or not torch.distributed.is_initialized():
+        return 0, 1
+    return (
+        torch.distributed.get_rank(group),
+        torch.distributed.get_world_size(group),
+    )
+
+
+def kvcache_layout_identity(
+    server_args: Any, rank: int, size: int
+) -> kvcr_layout.ModelIdentity:
+    """The model identity a page's compatibility digest covers (model_identity)."""
+    fields = model_identity.model_identity_fields(server_args)
+    return kvcr_layout.ModelIdentity(tp_rank=rank, tp_size=size, **fields)
+
+
+def draft_pool(params: Any) -> Any:
+    """The one draft KV pool sharing the target's slots, if any (else None).
+
+    Packed (MTP) and sidecar draft pools are both indexed by the target's token
+    slots, so either becomes a ``draft`` KVCR pool keyed per page like ``kv``.
+    """
+    pools = [
+        *getattr(params, "sidecar_draft_device_pools", ()),
+        *getattr(params, "mtp_draft_device_pools", ()),
+    ]
+    if len(pools) > 1:
+        raise KVCRLayoutError(
+            f"the KVCR linker supports at most one draft KV pool, got {len(pools)} "
+            "(--speculative-* settings); use a single draft model layer pool"
+        )
+    return pools[0] if pools else None
+
+
+def sglang_pools(kvcache: Any, components: Any, layout: Any) -> dict[Any, Any]:
+    """``linker.pools`` for the wrapper (it restores SWA only if SWA is listed).
+
+    Tree components must be FULL, or FULL+SWA over an ``SWAKVPool``: a Mamba
+    state is one slot per request, not a page, and has no KVCR form here.
+    """
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    kinds = {ComponentType(int(c)) for c in components or ()}
+    names = sorted(k.name for k in kinds)
+    windowed = bool(layout.window_pools)
+    if kinds - {ComponentType.FULL, ComponentType.SWA}:
+        raise KVCRLayoutError(
+            f"tree components {names}: the KVCR linker restores FULL attention KV "
+            "and sliding-window (SWA) KV only; hybrid Mamba/linear-attention models "
+            "are not supported (drop --unified-cache-external-linker-backend for "
+            "this model)"
+        )
+    if (ComponentType.SWA in kinds) != windowed:
+        raise KVCRLayoutError(
+            f"tree components {names} do not match the KV pool "
+            f"{type(kvcache).__name__}: SWA needs an SWAKVPool and vice versa"
+        )
+    if not windowed:
+        return {PoolName.KV: kvcache}
+    return {PoolName.KV: kvcache.full_kv_pool, PoolName.SWA: kvcache.swa_kv_pool}
+
+
+def refuse_virtual_swa_pages(allocator: Any) -> None:
+    """The unified memory pool hands out virtual SWA pages; restores write device
+    rows directly, so only the static SWA allocator's physical indices are safe."""
+    from sglang.srt.mem_cache.allocator.unified_hybrid_swa import (
+        UnifiedSWAAllocatorBase,
+    )
+
+    if isinstance(allocator, UnifiedSWAAllocatorBase):
+        raise KVCRLayoutError(
+            f"{type(allocator).__name__}: the KVCR linker restores SWA KV into "
+            "physical rows and does not support the unified (virtual-page) memory "
+            "pool; drop --enable-unified-memory for this model"
+        )
+
+
+def page_rows(tensor: torch.Tensor, page_size: int, page_bytes: int) -> torch.Tensor:
+    """A byte view of a token-slot buffer with one row per page."""
+    pages = tensor.shape[0] // page_size
+    flat = tensor[: pages * page_size].reshape(-1).view(torch.uint8)
+    return flat.view(pages, page_bytes)
+
+
+@dataclasses.dataclass(slots=True)
+class RankResources:
+    """Host memory and copy machinery one rank's linker owns."""
+
+    dram: Any  # quarantine.KVCRDram
+    span: Any  # restore_copy.SpanRestore on CUDA hosts, else None
+    staging: Any  # offload_staging.HostStaging on the staged path, else None
+    dest_rows: dict[str, list[torch.Tensor]]  # per pool, each part's page rows
+
+
+def build_resources(
+    layout: Any, cfg: Any, ranks_on_node: int, device: Any, page_size: int
+) -> RankResources:
+    """This rank's KVCR DRAM share (locked on GPU hosts, so restores are
+    asynchronous), the span restorer and the staging area, all or nothing."""
+    from sglang.srt.mem_cache.storage.kvcr.host_memory import HostMemory
+    from sglang.srt.mem_cache.storage.kvcr.offload_staging import HostStaging
+    from sglang.srt.mem_cache.storage.kvcr.quarantine import KVCRDram
+    from sglang.srt.mem_cache.storage.kvcr.restore_copy import SpanRestore
+
+    plan = kvcr_layout.plan_capacity(
+        layout, cfg.local_dram_bytes_per_worker, ranks_on_node
+    )
+    logger.info(
+        "KVCR capacity: %d pages per pool, %d bytes unused of the per-rank share",
+        plan.pages,
+        plan.unused_bytes,
+    )
+    dest_rows = {
+        pool.name: [page_rows(t, page_size, pool.page_bytes) for t in pool.tensors]
+        for pool in layout.pools
+    }
+    memory = HostMemory(pin=device.is_cuda)
+    try:
+        dram = KVCRDram(memory, plan.pools, cfg.max_quarantined_cores)
+        span = SpanRestore(device.device, memory) if device.is_cuda else None
+        staging = None
+        path = cfg.offload_path
+        if path == "staged" or (path == "auto" and device.is_cuda):
+            page_total = sum(p.page_bytes * len(p.spans) for p in layout.pools)
+            cap = cfg.max_inflight_offload_bytes // page_total
+            staging = HostStaging(
+                layout.pools,
+                dest_rows,
+                max(1, min(cap, 1 << 16)),
+                memory=memory,
+                device=device,
+            )
+    except BaseException:
+        memory.release_all()  # nothing has used them yet
+        raise
+    return RankResources(dram, span, staging, dest_rows)
+
+
+def factory_args(
+    layout: Any, cfg: Any, control_port: int, res: RankResources
+) -> dict[str, Any]:
+    """``make_kvcr_factory``'s arguments but the agent name (per incarnation)."""
+    from sglang.srt.mem_cache.storage.kvcr.control_auth import InboundGuard
+
+    return {
+        "pool_layouts": layout.kvcr_pool_layouts(),
+        "framework_regions": (
+            res.staging.region_descriptors()
+            if res.staging is not None
+            else layout.region_descriptors()
+        ),
+        "local_dram_pools": layout.local_dram_regions(list(res.dram.storage.values())),
+        "key_adapter": kvcr_layout.KeyAdapter(layout),
+        "control_bind_host": cfg.control_bind_host,
+        "control_advertise_host": cfg.advertise_host,
+        "control_port": control_port,
+        "operation_timeout_ms": cfg.operation_timeout_ms,
+        "abandon_timeout_ms": cfg.abandon_timeout_ms,
+        "eviction_policy": cfg.eviction_policy,
+        "nixl_progress_thread": cfg.nixl_progress_thread,
+        "progress_idle_ms": cfg.progress_idle_ms,
+        "inbound_guard": InboundGuard.from_config(cfg),
+    }
