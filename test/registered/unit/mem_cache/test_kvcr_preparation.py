@@ -1,0 +1,174 @@
+"""Preparation and offload bookkeeping driven by plain ``OpDone`` values (no NIXL).
+
+``Preparations``: fetch commands carry the hint once and charge only moved bytes;
+landed claims become restorable boundaries; late, failed, foreign and stale
+results release their claims exactly once; a dropped preparation's fetches count
+as abandoned until they complete; a retried attempt never reads the older one.
+``OffloadQueue``: one FIFO result per offload, settled only when every deposit
+of it has completed, in order, with staging slots handed back.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import (
+    DiscardHint,
+    EntryResult,
+    EntryStatus,
+    Fetch,
+    OpDone,
+    OpKind,
+    Release,
+)
+from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
+    LinkerRequestContext,
+    PreparationHandle,
+)
+from sglang.srt.mem_cache.storage.kvcr.linker_stats import LinkerStats
+from sglang.srt.mem_cache.storage.kvcr.offload_queue import (
+    OffloadOutcome,
+    OffloadQueue,
+)
+from sglang.srt.mem_cache.storage.kvcr.preparation import (
+    PoolFetch,
+    Preparations,
+    PrepState,
+)
+
+PAGES = ["p0", "p1", "p2"]
+
+
+def _key(page: str, pool: str = "kv") -> bytes:
+    return f"{page}|{pool}".encode()
+
+
+def _parse(key: bytes) -> tuple[str, str] | None:
+    page, sep, pool = key.decode().partition("|")
+    return (page, pool) if sep else None
+
+
+def _ok(claim: int) -> EntryResult:
+    return EntryResult(
+        EntryStatus.SUCCESS, (SimpleNamespace(element_index=claim),), claim
+    )
+
+
+def _begin(preps: Preparations, rid="r", attempt=0, hinted=True):
+    ctx = LinkerRequestContext(rid, attempt)
+    prep, commands = preps.begin(ctx, list(PAGES), 30.0, hinted)
+    ids = iter(range(100 * (attempt + 1), 10**6))
+    fetches = [
+        PoolFetch((_key("p0"),), ("k", "v"), 10, moved=False),  # resident: a claim
+        PoolFetch((_key("p1"), _key("p2")), ("k", "v"), 10, moved=True),
+    ]
+    return prep, commands, preps.fetch(prep, fetches, lambda: next(ids), {"hint": 1})
+
+
+def test_fetches_carry_the_hint_once_and_charge_only_what_moves():
+    preps = Preparations(LinkerStats())
+    _, dropped, fetches = _begin(preps)
+    assert dropped == []
+    assert [type(c) for c in fetches] == [Fetch, Fetch]
+    local, remote = fetches
+    assert (local.nbytes, local.hint) == (0, None)
+    assert (remote.nbytes, remote.hint) == (20, {"hint": 1})
+    assert local.request_id == remote.request_id == "r#0"
+    assert not preps.ready(PreparationHandle("r", 0))  # still fetching
+    # A second chunk moving bytes goes without it (the adapter carries a refused
+    # fetch's hint to the next one itself).
+    prep = preps.get("r")
+    more = [
+        PoolFetch((_key("p1", "swa"),), ("w",), 4, moved=True),
+        PoolFetch((_key("p2", "swa"),), ("w",), 4, moved=True),
+    ]
+    first, second = preps.fetch(prep, more, iter(range(900, 999)).__next__, {"h": 2})
+    assert first.hint == {"h": 2} and second.hint is None
+
+
+def test_landed_claims_make_boundaries_and_everything_else_is_released_once():
+    stats = LinkerStats()
+    preps = Preparations(stats)
+    prep, _, (local, remote) = _begin(preps)
+    out = preps.on_fetch_done(
+        OpDone(local.op_id, OpKind.FETCH, {_key("p0"): _ok(1)}), _parse
+    )
+    assert out == []
+    # p1 lands, p2 failed, and a key of nobody's comes back with a claim.
+    done = OpDone(
+        remote.op_id,
+        OpKind.FETCH,
+        {
+            _key("p1"): _ok(2),
+            _key("p2"): EntryResult(EntryStatus.FAILED, None, 3),
+            b"foreign": _ok(4),
+        },
+    )
+    assert preps.on_fetch_done(done, _parse) == [Release((3, 4))]
+    assert prep.state is PrepState.READY and preps.ready(PreparationHandle("r", 0))
+    assert prep.restorable(0, PAGES, frozenset({"kv"}), frozenset(), 3) == [1, 2]
+    assert stats.late_claims_released == 2
+    # The request ends: its two claims and the hint go, once.
+    assert preps.release("r") == [Release((1, 2)), DiscardHint("r#0")]
+    assert preps.release("r") == []
+    # A duplicate completion of an op already settled releases what it carries.
+    again = OpDone(local.op_id, OpKind.FETCH, {_key("p0"): _ok(9)})
+    assert preps.on_fetch_done(again, _parse) == [Release((9,))]
+
+
+def test_a_dropped_preparation_counts_its_fetches_abandoned_until_they_complete():
+    preps = Preparations(LinkerStats())
+    _, _, (_local, remote) = _begin(preps)
+    assert preps.release("r")[-1] == DiscardHint("r#0")
+    assert preps.abandoned_bytes() == 10 + 20  # the DRAM both fetches will claim
+    late = OpDone(remote.op_id, OpKind.FETCH, {_key("p1"): _ok(5), _key("p2"): _ok(6)})
+    assert preps.on_fetch_done(late, _parse) == [Release((5, 6))]
+    assert preps.abandoned_bytes() == 10
+    preps.reset()  # a flush: the old core's ops never complete
+    assert preps.abandoned_bytes() == 0
+
+
+def test_a_retried_attempt_never_reads_the_older_one():
+    preps = Preparations(LinkerStats())
+    first, _, (old_local, _) = _begin(preps, attempt=0)
+    second, dropped, _ = _begin(preps, attempt=1)
+    assert dropped == [DiscardHint("r#0")]  # nothing had landed for attempt 0
+    assert first.state is PrepState.RELEASED
+    # The old attempt's fetch lands now: released, not given to the new one.
+    late = OpDone(old_local.op_id, OpKind.FETCH, {_key("p0"): _ok(7)})
+    assert preps.on_fetch_done(late, _parse) == [Release((7,))]
+    assert second.landed == {}
+    assert preps.ready(PreparationHandle("r", 0))  # a stale handle holds nothing
+    assert not preps.ready(PreparationHandle("r", 1))
+
+
+def test_one_fifo_result_per_offload_settled_when_all_its_deposits_are():
+    queue = OffloadQueue()
+    split, single = queue.push(), queue.push()
+    split.pending, single.pending = 2, 1
+    queue.track(1, split, (0, 1))
+    queue.track(2, split)
+    queue.track(3, single, (2,))
+    ok = {b"k": EntryResult(EntryStatus.SUCCESS)}
+    # The later offload completes first: nothing is reported out of order.
+    assert queue.on_done(OpDone(3, OpKind.DEPOSIT, ok)) == (single, (2,))
+    assert queue.completed() == 0
+    assert queue.on_done(OpDone(1, OpKind.DEPOSIT, ok)) == (None, (0, 1))
+    failed = {b"k": EntryResult(EntryStatus.FAILED)}
+    assert queue.on_done(OpDone(2, OpKind.DEPOSIT, failed)) == (split, None)
+    assert split.outcome is OffloadOutcome.FAILED  # one part failed: not stored
+    assert queue.completed() == 2
+    assert queue.pop() is False and queue.pop() is True
+    assert len(queue) == 0
+
+
+def test_a_withdrawn_offload_leaves_no_result_and_reset_returns_held_slots():
+    queue = OffloadQueue()
+    kept, withdrawn = queue.push(), queue.push()
+    queue.track(1, kept, (4,))
+    queue.track(2, withdrawn, (5,))
+    queue.withdraw(withdrawn)
+    assert len(queue) == 1
+    assert queue.on_done(OpDone(2, OpKind.DEPOSIT, {}))[0] is None
+    assert queue.reset() == [(4,)]
+    assert len(queue) == 0 and queue.completed() == 0
