@@ -794,7 +794,7 @@ def test_flush_clears_the_stored_page_index_and_kvcr_residency(make_stack):
     stack = make_stack()
     tokens = list(range(500, 500 + 2 * PAGE))
     insert_and_commit(stack, tokens, seed=3)
-    assert stack.cache._kvcr_hash_to_node
+    assert stack.linker.stored_pages.by_hash
     stack.cache.reset()
-    assert stack.cache._kvcr_hash_to_node == {}
+    assert stack.linker.stored_pages.by_hash == {}
     assert stack.linker.stats_line().count("resident_keys=0") == 1

@@ -162,7 +162,7 @@ def _removal_scenario(rank: int, cache: Any) -> dict[str, Any]:
 
     import torch.distributed as dist
 
-    from sglang.srt.mem_cache.storage.kvcr import integration
+    from sglang.srt.mem_cache.storage.kvcr import stored_marks
 
     real_gather = dist.all_gather_object
     gathers: list[int] = []
@@ -176,7 +176,7 @@ def _removal_scenario(rank: int, cache: Any) -> dict[str, Any]:
     with mock.patch.object(dist, "all_gather_object", side_effect=counted):
         for removed in steps:
             before = len(gathers)
-            unions.append(integration.gather_union(cache, removed))
+            unions.append(stored_marks.gather_union(cache, removed))
             calls.append(len(gathers) - before)
     return {"unions": unions, "gathers": calls}
 

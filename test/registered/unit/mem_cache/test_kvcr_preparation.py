@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from sglang.srt.mem_cache.storage.kvcr.fetch_plan import PoolFetch
 from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import (
     DiscardHint,
     EntryResult,
@@ -30,11 +31,7 @@ from sglang.srt.mem_cache.storage.kvcr.offload_queue import (
     OffloadOutcome,
     OffloadQueue,
 )
-from sglang.srt.mem_cache.storage.kvcr.preparation import (
-    PoolFetch,
-    Preparations,
-    PrepState,
-)
+from sglang.srt.mem_cache.storage.kvcr.preparation import Preparations, PrepState
 
 PAGES = ["p0", "p1", "p2"]
 

@@ -28,7 +28,6 @@ hook returns at once unless ``prepares_requests`` / ``publishes_external_events`
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -36,6 +35,7 @@ from typing import Any
 
 import torch
 
+from sglang.srt.mem_cache.storage.kvcr import stored_marks
 from sglang.srt.mem_cache.storage.kvcr.errors import KVCRUnavailableError
 from sglang.srt.mem_cache.storage.kvcr.event_hashes import published_aliases
 from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
@@ -352,16 +352,17 @@ def _after_init_cache_linker(result: Any, cache: Any, cache_linker: Any) -> None
             f"the KVCR linker needs SGLang's Python radix tree core (got "
             f"{type(cache.tree_core).__name__}); set {TREE_CORE_ENV}=python"
         )
-    cache._kvcr_hash_to_node = {}
-    cache._kvcr_removed_early = collections.OrderedDict()
+
+
+def _stored_pages(backend: Any) -> Any:
+    return getattr(backend, "stored_pages", None)
 
 
 def _after_cache_reset(result: Any, cache: Any) -> None:
     # A flush rebuilt KVCR empty: nothing indexed is stored externally any more.
-    for name in ("_kvcr_hash_to_node", "_kvcr_removed_early"):
-        index = getattr(cache, name, None)
-        if index is not None:
-            index.clear()
+    stored = _stored_pages(_backend(cache))
+    if stored is not None:
+        stored.reset()
 
 
 def _around_weight_update(
@@ -395,32 +396,18 @@ def _around_commit_completed_offloads(
     successes = list(successes)
     published = [p.publish_node_ids for p in wrapper.pending_offloads[: len(successes)]]
     result = original(wrapper, successes)
-    from sglang.srt.disaggregation.kv_events import StorageMedium
-
-    cache = wrapper.cache
-    core = cache.tree_core
-    index = getattr(cache, "_kvcr_hash_to_node", None)
-    early = getattr(cache, "_kvcr_removed_early", None)
+    core = wrapper.cache.tree_core
+    stored = _stored_pages(backend)
     evicted: list[str] = []
     for ok, node_ids in zip(successes, published, strict=True):
         if not ok:
             continue
         for node_id in node_ids:
             node = _node(core, node_id)
-            if node is None:
-                continue
-            core.kv_events.record_store(node, medium=StorageMedium.EXTERNAL)
-            if index is not None:
-                # The node itself, not its id: its pages stay in KVCR after the
-                # device drops the node, and their removal must still be published.
-                for page_hash in node.hash_value or ():
-                    index[page_hash] = node
-                    # KVCR evicted it before this commit (the list every rank
-                    # gathered): the mark just set is already stale.
-                    if early is not None and early.pop(page_hash, False):
-                        evicted.append(page_hash)
+            if node is not None:
+                evicted += stored_marks.committed(core, node, stored)
     if evicted:
-        clear_stored_marks(cache, evicted)
+        clear_stored_marks(wrapper.cache, evicted)
     return result
 
 
@@ -429,39 +416,17 @@ def _after_check_hicache_events(result: Any, cache: Any) -> None:
     if backend is None or not linker_hook(backend, "publishes_external_events"):
         return
     removed = linker_hook(backend, "take_removed_page_hashes")()
-    union = gather_union(cache, removed)
+    union = stored_marks.gather_union(cache, removed)
     if union:
         clear_stored_marks(cache, union)
 
 
-def gather_union(cache: Any, removed: list[str]) -> list[str]:
-    """The union of every attention rank's removed hashes (same list on all).
-
-    Uses the groups ``_all_reduce_attn_groups`` reduces over, so the ranks that
-    pair offload results by position agree on which stored marks to clear.
-    """
-    merged = set(removed)
-    if not torch.distributed.is_initialized():
-        return sorted(merged)
-    groups = [g for g in (cache.attn_cp_group, cache.attn_tp_group) if g is not None]
-    groups = [g for g in groups if torch.distributed.get_world_size(group=g) > 1]
-    if not groups and cache.tp_world_size > 1:
-        groups = [cache.tp_group]
-    if not groups:
-        return sorted(merged)
-    # One small reduction per step; the object gather only when some rank has
-    # something to announce (every rank sees the same maximum).
-    count = torch.tensor([len(merged)], dtype=torch.int64)
-    for group in groups:
-        torch.distributed.all_reduce(count, torch.distributed.ReduceOp.MAX, group)
-    if int(count[0]) == 0:
-        return []
-    for group in groups:
-        gathered: list[Any] = [None] * torch.distributed.get_world_size(group=group)
-        torch.distributed.all_gather_object(gathered, sorted(merged), group=group)
-        for part in gathered:
-            merged.update(part or ())
-    return sorted(merged)
+def clear_stored_marks(cache: Any, page_hashes: list[str]) -> int:
+    """Clear the stored marks of ``page_hashes`` KVCR evicted (stored_marks)."""
+    stored = _stored_pages(_backend(cache))
+    if stored is None:
+        return 0
+    return stored.clear(cache.tree_core, page_hashes)
 
 
 def _node(core: Any, node_id: Any) -> Any:
@@ -469,71 +434,6 @@ def _node(core: Any, node_id: Any) -> Any:
         return core.node_by_id(node_id)
     except (KeyError, IndexError):
         return None
-
-
-def clear_stored_marks(cache: Any, page_hashes: list[str]) -> int:
-    """Clear ``external_cache_stored`` for nodes holding evicted pages and
-    publish EXTERNAL ``BlockRemoved`` for exactly those pages; returns nodes
-    cleared. A page not indexed yet (its offload has not committed) is remembered
-    and cleared when it commits."""
-    from sglang.srt.disaggregation.kv_events import StorageMedium
-
-    index = getattr(cache, "_kvcr_hash_to_node", {})
-    early = getattr(cache, "_kvcr_removed_early", None)
-    core = cache.tree_core
-    cleared = 0
-    evicted_at: dict[int, tuple[Any, list[int]]] = {}
-    for page_hash in page_hashes:
-        node = index.pop(page_hash, None)
-        if node is None:
-            if early is not None:
-                early[page_hash] = True
-                while len(early) > _MAX_EARLY_REMOVALS:
-                    early.popitem(last=False)
-            continue
-        # A split moves a node's leading pages (and its stored mark) into a new
-        # parent with a new id: the page now lives in an ancestor.
-        while node is not None and page_hash not in (node.hash_value or ()):
-            node = node.parent
-        if node is None:
-            continue
-        # A node the device already dropped still gets its EXTERNAL removal.
-        if node.external_cache_stored:
-            node.external_cache_stored = False
-            cleared += 1
-        entry = evicted_at.setdefault(id(node), (node, []))
-        entry[1].append(node.hash_value.index(page_hash))
-    for node, positions in evicted_at.values():
-        _publish_removed(
-            core.kv_events, node, sorted(positions), StorageMedium.EXTERNAL
-        )
-    return cleared
-
-
-_MAX_EARLY_REMOVALS = 1 << 16  # evictions remembered for offloads still committing
-
-
-def _publish_removed(
-    recorder: Any, node: Any, positions: list[int], medium: Any
-) -> None:
-    """``BlockRemoved`` for the pages of ``node`` at ``positions`` only, with the
-    hashes SGLang's recorder publishes for them (namespaced like its stores)."""
-    from sglang.srt.disaggregation.kv_events import BlockRemoved
-    from sglang.srt.mem_cache.events import KVCacheEventRecorder
-
-    if not recorder.enabled:
-        return
-    scratch = KVCacheEventRecorder(
-        enabled=True,
-        page_size=recorder.page_size,
-        dynamo_format=recorder.dynamo_format,
-        lora_names=recorder.lora_names,
-    )
-    scratch.record_remove(node, medium=medium)
-    hashes = [h for event in scratch.take() for h in event.block_hashes]
-    picked = [hashes[i] for i in positions if i < len(hashes)]
-    if picked:
-        recorder.enqueue(BlockRemoved(block_hashes=picked, medium=medium))
 
 
 def ensure_python_tree_core() -> None:

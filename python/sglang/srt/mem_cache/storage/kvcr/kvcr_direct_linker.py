@@ -33,11 +33,10 @@ from sglang.srt.mem_cache.storage.kvcr import (
     kvcr_layout,
     linker_setup,
     linker_stats,
-    model_identity,
 )
 from sglang.srt.mem_cache.storage.kvcr.config import KVCRLinkerConfig
 from sglang.srt.mem_cache.storage.kvcr.device_streams import DeviceBinding
-from sglang.srt.mem_cache.storage.kvcr.integration import attention_replica
+from sglang.srt.mem_cache.storage.kvcr.fetch_plan import kv_keys, window_pages
 from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import (
     AdapterLimits,
     InventoryChange,
@@ -54,25 +53,15 @@ from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
 from sglang.srt.mem_cache.storage.kvcr.linker_setup import kvcache_layout_identity
 from sglang.srt.mem_cache.storage.kvcr.linker_stats import LinkerStats
 from sglang.srt.mem_cache.storage.kvcr.offloader import Offloader
-from sglang.srt.mem_cache.storage.kvcr.plugin import refuse_unsupported_topology
-from sglang.srt.mem_cache.storage.kvcr.preparation import (
-    Preparations,
-    PrepState,
-    kv_keys,
-    plan_fetches,
-    wanted_pages,
-    window_pages,
-)
-from sglang.srt.mem_cache.storage.kvcr.rank_placement import placement_of
+from sglang.srt.mem_cache.storage.kvcr.preparation import Preparations
 from sglang.srt.mem_cache.storage.kvcr.residency import Residency
 from sglang.srt.mem_cache.storage.kvcr.restore import Restorer, plan_transfers
 from sglang.srt.mem_cache.storage.kvcr.router_hint import (
     EndpointAllowlist,
-    FetchHint,
     RouterHintParser,
-    hinted_pages,
-    page_hash_to_u64,
+    request_hint,
 )
+from sglang.srt.mem_cache.storage.kvcr.stored_marks import StoredPages
 
 __all__ = ["KVCRDirectLinker", "kvcache_layout_identity"]
 
@@ -98,35 +87,17 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         forward_stream: Any = None,
     ) -> None:
         self.config = cfg = KVCRLinkerConfig.from_dict(extra_config or {})
-        refuse_unsupported_topology(server_args)
         self.forward_stream = forward_stream
-        kvcache = params.token_to_kv_pool_allocator.get_kvcache()
         self.page_size = int(params.page_size)
-        shard_rank, shard_size = linker_setup.attn_rank(params)
-        self.placement = placement_of(
-            server_args, shard_rank, shard_size, *attention_replica(server_args)
-        )
-        identity = kvcache_layout_identity(server_args, shard_rank, shard_size)
-        self.layout = kvcr_layout.PageLayout.from_kv_pool(
-            kvcache,
-            self.page_size,
-            identity=identity,
-            draft_pool=linker_setup.draft_pool(params),
-        )
-        load_format = str(getattr(server_args, "load_format", None) or "auto")
-        self.weights = model_identity.WeightsTracker(identity, load_format)
-        self.pools = linker_setup.sglang_pools(kvcache, components, self.layout)
-        if self.layout.window_pools:
-            linker_setup.refuse_virtual_swa_pages(params.token_to_kv_pool_allocator)
+        rank = linker_setup.describe_rank(server_args, params, components)
+        self.placement, self.layout = rank.placement, rank.layout
+        self.weights, self.pools = rank.weights, rank.pools
         self.num_layers = self.layout.num_layers
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
         # The rank's device, captured here on the scheduler thread: side threads
         # start on device 0 and bind to it before touching CUDA.
         self._device = DeviceBinding.of(self.layout.pools[0].tensors[0].device)
         self._is_cuda = self._device.is_cuda
-        self._object_bytes = {
-            p.name: p.page_bytes * len(p.spans) for p in self.layout.pools
-        }
         res = linker_setup.build_resources(
             self.layout, cfg, self.placement.ranks_on_node, self._device, self.page_size
         )
@@ -146,6 +117,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         )
         self.preparations = Preparations(self.stats)
         self.residency = Residency(self.layout)
+        self.stored_pages = StoredPages()  # what EXTERNAL events announced
         self.offloader = Offloader(
             layout=self.layout,
             page_size=self.page_size,
@@ -306,54 +278,27 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         """Fetch the tail's locally resident or hinted pages into claimed KVCR DRAM."""
         self._pump()
         page_hashes = kv_keys(transfers)
-        hint = self._hints.parse(ctx.kv_hints) if ctx.kv_hints is not None else None
-        if hint is not None and hint.source_endpoint == self.endpoint:
-            # A router naming this very worker: its pages are local residency
-            # (fetched below if resident), never a NIXL transfer to itself.
-            self.stats.hints_self += 1
-            hint = None
-        elif hint is not None and self.dram.peer_fetches_off:
-            self.stats.hints_quarantine_off += 1  # see max_quarantined_cores
-            hint = None
-        hinted = hinted_pages(hint, page_hashes, ctx.event_hashes)
-        wanted = wanted_pages(
-            page_hashes, hinted, self.residency, self.layout.full_pools
+        hint = request_hint(
+            self._hints,
+            ctx,
+            page_hashes,
+            self.endpoint,
+            self.dram.peer_fetches_off,
+            self.stats,
         )
-        timeout_s = self.config.preparation_timeout_ms / 1000.0
-        prep, commands = self.preparations.begin(
-            ctx, page_hashes, timeout_s, hint is not None
-        )
-        self._submit(commands)
-        if wanted and self.weights.pending:
-            wanted = 0  # pages of the old weights: recompute
-        if wanted and self.abandoned_bytes() > self.config.max_abandoned_bytes:
-            # Work for requests that went away is still unresolved in KVCR: do not
-            # pile more on; this request recomputes.
-            self.stats.refused_abandoned += 1
-            wanted = 0
-        if wanted == 0:
-            prep.state = PrepState.READY  # zero-hit fast path: no owner round trip
-            return ctx.handle
-        self.stats.prepared += 1
-        self.stats.prepared_pages += wanted
-        # KVCR matches a hint against its keys' storage hashes: name the hinted
-        # pages by those, whatever hash the router named them by.
-        envelope = None
-        if hint is not None and hinted:
-            named = tuple(page_hash_to_u64(h) for h in page_hashes if h in hinted)
-            envelope = FetchHint(hint.source_endpoint, named).to_kvcr_envelope()
-        fetches = plan_fetches(
-            page_hashes[:wanted],
-            hinted,
+        commands = self.preparations.prepare(
+            ctx,
+            page_hashes,
+            hint,
             self.residency,
             self.layout,
-            self._object_bytes,
-            self.config.prepare_chunk_pages,
+            self.config,
+            self.weights.pending,
+            self._adapter.next_op_id,
         )
-        self._submit(
-            self.preparations.fetch(prep, fetches, self._adapter.next_op_id, envelope)
-        )
-        self._pump()
+        if commands:
+            self._submit(commands)
+            self._pump()
         return ctx.handle
 
     def preparation_ready(self, handle: PreparationHandle) -> bool:
@@ -459,18 +404,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
 
     def stats_snapshot(self) -> dict[str, Any]:
         """Every counter and gauge of the stats line, by name (linker_stats)."""
-        gauges = linker_stats.Gauges(
-            peer_fetches_off=self.dram.peer_fetches_off,
-            quarantined_bytes=self.quarantined_bytes(),
-            pinned_bytes=self.pinned_bytes(),
-            abandoned_bytes=self.abandoned_bytes(),
-            resident_keys=len(self.residency),
-            claims_held=self.claims_held(),
-            inbound_refused=self._factory_args["inbound_guard"].refused,
-        )
-        return linker_stats.snapshot(
-            self.stats, gauges, self._adapter.stats(), self._hints.stats.as_dict()
-        )
+        return linker_stats.snapshot_of(self)
 
     def stats_line(self) -> str:
         return linker_stats.stats_line(self.stats_snapshot())
@@ -487,6 +421,16 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
 
     def quarantined_bytes(self) -> int:
         return self.dram.quarantine.bytes()
+
+    def inbound_refused(self) -> int:
+        """Control-channel connections the inbound guard refused."""
+        return int(self._factory_args["inbound_guard"].refused)
+
+    def adapter_stats(self) -> Any:
+        return self._adapter.stats()
+
+    def hint_stats(self) -> dict[str, int]:
+        return self._hints.stats.as_dict()
 
     def claims_held(self) -> int:
         return self.preparations.claims_held()

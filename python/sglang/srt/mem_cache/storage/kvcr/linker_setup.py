@@ -192,3 +192,38 @@ def factory_args(
         "progress_idle_ms": cfg.progress_idle_ms,
         "inbound_guard": InboundGuard.from_config(cfg),
     }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankDescription:
+    """What this rank serves: where it sits, its page layout and the pools."""
+
+    placement: Any  # rank_placement.RankPlacement
+    layout: Any  # kvcr_layout.PageLayout
+    weights: Any  # model_identity.WeightsTracker
+    pools: dict[Any, Any]
+
+
+def describe_rank(server_args: Any, params: Any, components: Any) -> RankDescription:
+    """This rank's description from SGLang's flags and cache params, refusing
+    what the linker cannot describe exactly (naming the flag)."""
+    from sglang.srt.mem_cache.storage.kvcr.integration import attention_replica
+    from sglang.srt.mem_cache.storage.kvcr.plugin import refuse_unsupported_topology
+    from sglang.srt.mem_cache.storage.kvcr.rank_placement import placement_of
+
+    refuse_unsupported_topology(server_args)
+    kvcache = params.token_to_kv_pool_allocator.get_kvcache()
+    shard_rank, shard_size = attn_rank(params)
+    placement = placement_of(
+        server_args, shard_rank, shard_size, *attention_replica(server_args)
+    )
+    identity = kvcache_layout_identity(server_args, shard_rank, shard_size)
+    layout = kvcr_layout.PageLayout.from_kv_pool(
+        kvcache, int(params.page_size), identity=identity, draft_pool=draft_pool(params)
+    )
+    load_format = str(getattr(server_args, "load_format", None) or "auto")
+    weights = model_identity.WeightsTracker(identity, load_format)
+    pools = sglang_pools(kvcache, components, layout)
+    if layout.window_pools:
+        refuse_virtual_swa_pages(params.token_to_kv_pool_allocator)
+    return RankDescription(placement, layout, weights, pools)

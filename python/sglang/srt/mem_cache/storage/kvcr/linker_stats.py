@@ -144,3 +144,17 @@ def stats_line(values: dict[str, Any]) -> str:
         else:
             parts.append(f"{name}={value}")
     return "KVCR_STATS " + " ".join(parts)
+
+
+def snapshot_of(linker: Any) -> dict[str, Any]:
+    """``snapshot`` of a live ``KVCRDirectLinker``."""
+    gauges = Gauges(
+        peer_fetches_off=linker.dram.peer_fetches_off,
+        quarantined_bytes=linker.quarantined_bytes(),
+        pinned_bytes=linker.pinned_bytes(),
+        abandoned_bytes=linker.abandoned_bytes(),
+        resident_keys=len(linker.residency),
+        claims_held=linker.claims_held(),
+        inbound_refused=linker.inbound_refused(),
+    )
+    return snapshot(linker.stats, gauges, linker.adapter_stats(), linker.hint_stats())

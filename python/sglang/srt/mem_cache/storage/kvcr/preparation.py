@@ -20,6 +20,11 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from sglang.srt.mem_cache.storage.kvcr.fetch_plan import (
+    PoolFetch,
+    plan_fetches,
+    wanted_pages,
+)
 from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import (
     DiscardHint,
     EntryStatus,
@@ -62,17 +67,6 @@ class FetchOwner:
 
     rid: str
     claimed_bytes: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PoolFetch:
-    """Keys of one pool to fetch for a preparation: resident ones only take a
-    claim; the rest move from the hinted peer (and are charged)."""
-
-    keys: tuple[bytes, ...]
-    expected_layout: tuple[str, ...]
-    page_bytes: int
-    moved: bool
 
 
 @dataclasses.dataclass(slots=True)
@@ -174,6 +168,48 @@ class Preparations:
         )
         self._preps[ctx.rid] = prep
         return prep, commands
+
+    def prepare(
+        self,
+        ctx: LinkerRequestContext,
+        page_hashes: list[str],
+        hint: Any,
+        residency: Any,
+        layout: Any,
+        cfg: Any,
+        refuse: bool,
+        next_op_id: Callable[[], int],
+    ) -> list[Command]:
+        """Prepare ``ctx``'s tail: claim its leading resident or hinted pages
+        (``hint``: a router_hint.RequestHint). Nothing is fetched when ``refuse``
+        (weights changing) or when abandoned work is over its bound; the
+        commands replace an earlier attempt's and start the fetches."""
+        wanted = wanted_pages(page_hashes, hint.pages, residency, layout.full_pools)
+        timeout_s = cfg.preparation_timeout_ms / 1000.0
+        prep, commands = self.begin(ctx, page_hashes, timeout_s, hint.hint is not None)
+        if wanted and refuse:
+            wanted = 0  # pages of the old weights: recompute
+        if wanted and self.abandoned_bytes() > cfg.max_abandoned_bytes:
+            # Work for requests that went away is still unresolved in KVCR: do not
+            # pile more on; this request recomputes.
+            self.stats.refused_abandoned += 1
+            wanted = 0
+        if wanted == 0:
+            prep.state = PrepState.READY  # zero-hit fast path: no owner round trip
+            return commands
+        self.stats.prepared += 1
+        self.stats.prepared_pages += wanted
+        object_bytes = {p.name: p.page_bytes * len(p.spans) for p in layout.pools}
+        fetches = plan_fetches(
+            page_hashes[:wanted],
+            hint.pages,
+            residency,
+            layout,
+            object_bytes,
+            cfg.prepare_chunk_pages,
+        )
+        envelope = hint.envelope(page_hashes)
+        return commands + self.fetch(prep, fetches, next_op_id, envelope)
 
     def fetch(
         self,
@@ -401,73 +437,3 @@ class Preparations:
         self._owners.clear()
         self._abandoned.clear()
         self._held.clear()
-
-
-def kv_keys(transfers: list[Any]) -> list[str]:
-    """The page hashes of the KV transfer (the tail's pages), in order."""
-    from sglang.srt.mem_cache.hicache_storage import PoolName
-
-    for transfer in transfers:
-        if transfer.name == PoolName.KV:
-            return list(transfer.keys or [])
-    return []
-
-
-def window_pages(transfers: list[Any], tail_pages: int) -> int:
-    """Pages of the trailing window: the SWA lookup transfer carries the tail's
-    last ``ceil(window / page)`` keys (all of them when the tail is shorter)."""
-    from sglang.srt.mem_cache.hicache_storage import PoolName
-
-    for transfer in transfers:
-        if transfer.name == PoolName.SWA and transfer.keys:
-            return len(transfer.keys)
-    return tail_pages  # no window given: require window KV for every page
-
-
-def plan_fetches(
-    pages: list[str],
-    hinted: frozenset[str],
-    residency: Any,
-    layout: Any,
-    object_bytes: dict[str, int],
-    chunk: int,
-) -> list[PoolFetch]:
-    """The pool fetches that claim ``pages`` (the wanted head of a tail), in
-    chunks of ``chunk`` pages: per pool, resident keys (a claim only) then the
-    rest (from the hinted peer). Window pools (SWA) only where this rank or the
-    hinted peer may hold them: a missing window page narrows the restorable set,
-    it never blocks it."""
-    window_set = {
-        h for h in pages if h in hinted or residency.holds(h, layout.window_pools)
-    }
-    out: list[PoolFetch] = []
-    for start in range(0, len(pages), chunk):
-        span = pages[start : start + chunk]
-        for pool in layout.pools:
-            chosen = [h for h in span if h in window_set] if pool.trailing else span
-            keys = [layout.block_key(h, pool.name) for h in chosen]
-            local = tuple(k for k in keys if k in residency)
-            remote = tuple(k for k in keys if k not in residency)
-            for group, moved in ((local, False), (remote, True)):
-                if group:
-                    out.append(
-                        PoolFetch(
-                            group,
-                            tuple(pool.part_labels),
-                            object_bytes[pool.name],
-                            moved,
-                        )
-                    )
-    return out
-
-
-def wanted_pages(
-    page_hashes: list[str], hinted: frozenset[str], residency: Any, full_pools: Any
-) -> int:
-    """How many leading pages are resident here (in every full pool) or hinted."""
-    wanted = 0
-    for page_hash in page_hashes:
-        if not residency.holds(page_hash, full_pools) and page_hash not in hinted:
-            break
-        wanted += 1
-    return wanted

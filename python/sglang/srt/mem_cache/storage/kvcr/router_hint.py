@@ -286,3 +286,41 @@ def hinted_pages(
         if page_hash_to_u64(page_hash) in named
         or (i < len(event_hashes) and not named.isdisjoint(event_hashes[i]))
     )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestHint:
+    """What one request's hint means here: the peer to fetch from (None: no
+    usable hint) and the tail pages it names."""
+
+    hint: FetchHint | None
+    pages: frozenset[str]
+
+    def envelope(self, page_hashes: list[str]) -> dict[str, Any] | None:
+        """The envelope for KVCR: KVCR matches a hint against its keys' storage
+        hashes, so the named pages go by those, whatever the router named them by."""
+        if self.hint is None or not self.pages:
+            return None
+        named = tuple(page_hash_to_u64(h) for h in page_hashes if h in self.pages)
+        return FetchHint(self.hint.source_endpoint, named).to_kvcr_envelope()
+
+
+def request_hint(
+    parser: RouterHintParser,
+    ctx: Any,
+    page_hashes: list[str],
+    own_endpoint: str,
+    peer_fetches_off: bool,
+    stats: Any,
+) -> RequestHint:
+    """``ctx``'s hint for this rank. A hint naming this very worker is local
+    residency (never a NIXL transfer to itself); none is taken while peer fetches
+    are off (``max_quarantined_cores``). Both are counted in ``stats``."""
+    hint = parser.parse(ctx.kv_hints) if ctx.kv_hints is not None else None
+    if hint is not None and hint.source_endpoint == own_endpoint:
+        stats.hints_self += 1
+        hint = None
+    elif hint is not None and peer_fetches_off:
+        stats.hints_quarantine_off += 1
+        hint = None
+    return RequestHint(hint, hinted_pages(hint, page_hashes, ctx.event_hashes))

@@ -1,0 +1,95 @@
+"""Which pages of a request's tail to fetch into KVCR DRAM, and from where.
+
+The wanted head of a tail is its leading pages that are resident here in every
+full-attention pool or named by the request's hint. ``plan_fetches`` splits it
+into per-pool ``PoolFetch`` chunks: resident keys only take a claim (no bytes
+move, nothing is charged), the rest come from the hinted peer. Window pools
+(SWA) are asked only for pages this rank or the peer may hold. Pure functions
+over plain values; ``kv_keys`` and ``window_pages`` read SGLang's transfers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolFetch:
+    """Keys of one pool to fetch for a preparation: resident ones only take a
+    claim; the rest move from the hinted peer (and are charged)."""
+
+    keys: tuple[bytes, ...]
+    expected_layout: tuple[str, ...]
+    page_bytes: int
+    moved: bool
+
+
+def kv_keys(transfers: list[Any]) -> list[str]:
+    """The page hashes of the KV transfer (the tail's pages), in order."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    for transfer in transfers:
+        if transfer.name == PoolName.KV:
+            return list(transfer.keys or [])
+    return []
+
+
+def window_pages(transfers: list[Any], tail_pages: int) -> int:
+    """Pages of the trailing window: the SWA lookup transfer carries the tail's
+    last ``ceil(window / page)`` keys (all of them when the tail is shorter)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    for transfer in transfers:
+        if transfer.name == PoolName.SWA and transfer.keys:
+            return len(transfer.keys)
+    return tail_pages  # no window given: require window KV for every page
+
+
+def plan_fetches(
+    pages: list[str],
+    hinted: frozenset[str],
+    residency: Any,
+    layout: Any,
+    object_bytes: dict[str, int],
+    chunk: int,
+) -> list[PoolFetch]:
+    """The pool fetches that claim ``pages`` (the wanted head of a tail), in
+    chunks of ``chunk`` pages: per pool, resident keys (a claim only) then the
+    rest (from the hinted peer). Window pools (SWA) only where this rank or the
+    hinted peer may hold them: a missing window page narrows the restorable set,
+    it never blocks it."""
+    window_set = {
+        h for h in pages if h in hinted or residency.holds(h, layout.window_pools)
+    }
+    out: list[PoolFetch] = []
+    for start in range(0, len(pages), chunk):
+        span = pages[start : start + chunk]
+        for pool in layout.pools:
+            chosen = [h for h in span if h in window_set] if pool.trailing else span
+            keys = [layout.block_key(h, pool.name) for h in chosen]
+            local = tuple(k for k in keys if k in residency)
+            remote = tuple(k for k in keys if k not in residency)
+            for group, moved in ((local, False), (remote, True)):
+                if group:
+                    out.append(
+                        PoolFetch(
+                            group,
+                            tuple(pool.part_labels),
+                            object_bytes[pool.name],
+                            moved,
+                        )
+                    )
+    return out
+
+
+def wanted_pages(
+    page_hashes: list[str], hinted: frozenset[str], residency: Any, full_pools: Any
+) -> int:
+    """How many leading pages are resident here (in every full pool) or hinted."""
+    wanted = 0
+    for page_hash in page_hashes:
+        if not residency.holds(page_hash, full_pools) and page_hash not in hinted:
+            break
+        wanted += 1
+    return wanted
