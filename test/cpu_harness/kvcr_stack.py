@@ -212,3 +212,53 @@ def bare_linker(
         extra_config=dict(config),
         forward_stream=forward_stream,
     )
+
+
+class IntKeys:
+    """KVCR key adapter for tests whose keys are 8-byte big-endian integers."""
+
+    def encode(self, key: object) -> bytes:
+        return bytes(key)  # type: ignore[call-overload]
+
+    def decode(self, key: bytes) -> int:
+        return int.from_bytes(key[:8], "big")
+
+
+def small_kvcr_factory(
+    name: str,
+    framework: torch.Tensor,
+    store: torch.Tensor,
+    block: int,
+    *,
+    mem_type: str = "DRAM",
+    operation_timeout_ms: int = 5000,
+) -> Any:
+    """The production KVCR factory over one pool of ``block``-byte objects:
+    ``framework`` rows (one object a row) and ``store`` as KVCR's DRAM, loopback
+    control on an OS-chosen port."""
+    from kvcr.types import RegionDescriptor
+
+    from sglang.srt.mem_cache.storage.kvcr.kvcr_factory import make_kvcr_factory
+
+    return make_kvcr_factory(
+        agent_name=name,
+        pool_layouts=[("kv", block)],
+        framework_regions=[
+            RegionDescriptor(
+                mem_type=mem_type,
+                addr=framework.data_ptr(),
+                size=block,
+                count=framework.shape[0],
+                label="kv",
+            )
+        ],
+        local_dram_pools=[("kv", store.data_ptr(), store.numel())],
+        key_adapter=IntKeys(),
+        control_bind_host="127.0.0.1",
+        control_advertise_host="127.0.0.1",
+        control_port=0,
+        operation_timeout_ms=operation_timeout_ms,
+        abandon_timeout_ms=2 * operation_timeout_ms,
+        eviction_policy="lru",
+        nixl_progress_thread=False,
+    )

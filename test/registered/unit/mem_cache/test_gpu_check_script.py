@@ -9,7 +9,6 @@ tested is the script's own logic. ``gpu_check.sh --dry-run`` runs the real stage
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -18,11 +17,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[4]
 SCRIPT = REPO / "test" / "manual" / "kvcr_direct_linker" / "gpu_check.sh"
 STAGES = ["env", "gpu-tests", "microbench", "bench"]
-
-pytestmark = pytest.mark.skipif(
-    shutil.which("bash") is None or shutil.which("timeout") is None,
-    reason="needs bash and coreutils timeout",
-)
 
 
 def run(*args: str, env: dict[str, str] | None = None, timeout: float = 60):

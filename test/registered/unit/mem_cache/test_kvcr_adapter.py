@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from cpu_harness import kvcr_stack
 from sglang.srt.mem_cache.storage.kvcr.errors import (
     KVCRAdapterFailed,
     KVCRUnavailableError,
@@ -21,48 +22,17 @@ from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import (
     KVCRAdapter,
     OpDone,
     Release,
-    make_kvcr_factory,
 )
 
 pytestmark = pytest.mark.kvcr
 
 BLOCK = 4096
 SLOTS = 8
-
-
-class _IntKeys:
-    def encode(self, key: object) -> bytes:
-        return bytes(key)  # type: ignore[arg-type]
-
-    def decode(self, key: bytes) -> int:
-        return int.from_bytes(key[:8], "big")
+SPIED = ("deposit", "fetch", "poll_completed", "query", "release", "close")
 
 
 def _make(fw: torch.Tensor, store: torch.Tensor, name: str, *, offload_budget=1 << 30):
-    from kvcr.types import RegionDescriptor
-
-    factory = make_kvcr_factory(
-        agent_name=name,
-        pool_layouts=[("kv", BLOCK)],
-        framework_regions=[
-            RegionDescriptor(
-                mem_type="DRAM",
-                addr=fw.data_ptr(),
-                size=BLOCK,
-                count=fw.shape[0],
-                label="kv",
-            )
-        ],
-        local_dram_pools=[("kv", store.data_ptr(), store.numel())],
-        key_adapter=_IntKeys(),
-        control_bind_host="127.0.0.1",
-        control_advertise_host="127.0.0.1",
-        control_port=0,
-        operation_timeout_ms=5000,
-        abandon_timeout_ms=10000,
-        eviction_policy="lru",
-        nixl_progress_thread=False,
-    )
+    factory = kvcr_stack.small_kvcr_factory(name, fw, store, BLOCK)
     limits = AdapterLimits(
         max_inflight_offload_bytes=offload_budget,
         max_inflight_prepare_bytes=1 << 30,
@@ -145,17 +115,18 @@ def test_deposit_fetch_release_round_trip_is_byte_exact(buffers):
 
 
 def test_every_kvcr_call_runs_on_the_owner_thread(buffers):
-    """Construction, deposit, poll, query and close all run on the adapter's thread."""
+    """Deposit, fetch, poll, query, release and close all run on the adapter's
+    thread, each at least once, driven through the adapter's own commands."""
     fw, store = buffers
     adapter = _make(fw, store, "adapter-thread")
-    seen: list[str] = []
+    calls: list[tuple[str, str]] = []
     try:
         kv = adapter.call(lambda kv: kv)
-        for name in ("deposit", "fetch", "poll_completed", "query", "release", "close"):
+        for name in SPIED:
             original = getattr(kv, name)
 
             def spy(*a, _orig=original, _name=name, **k):
-                seen.append(threading.current_thread().name)
+                calls.append((_name, threading.current_thread().name))
                 return _orig(*a, **k)
 
             setattr(kv, name, spy)
@@ -167,10 +138,29 @@ def test_every_kvcr_call_runs_on_the_owner_thread(buffers):
         )
         _wait_for(adapter, op)
         assert adapter.call(lambda kv: kv.query([_key(1)]))[0][0].name == "HIT"
+        op = adapter.next_op_id()
+        adapter.submit(
+            Fetch(
+                op_id=op,
+                keys=(_key(1),),
+                request_id="thread",
+                expected_layout=("kv",),
+                nbytes=BLOCK,
+            )
+        )
+        entry = _wait_for(adapter, op).entries[_key(1)]
+        assert entry.status is EntryStatus.SUCCESS and entry.claim is not None
+        adapter.submit(Release((entry.claim,)))
+        assert adapter.wait_idle(5.0)
+        deadline = time.monotonic() + 5
+        while adapter.stats().claims_released < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert adapter.stats().claims_released == 1
     finally:
         adapter.close()
-    assert seen and set(seen) == {adapter.owner_thread.name}
-    assert threading.current_thread().name not in seen
+    assert {name for name, _ in calls} == set(SPIED), calls
+    assert {thread for _, thread in calls} == {adapter.owner_thread.name}, calls
+    assert threading.current_thread().name != adapter.owner_thread.name
 
 
 def test_inventory_events_report_stores_and_evictions(buffers):

@@ -104,15 +104,26 @@ SETTINGS = {
 
 
 @pytest.mark.parametrize("change", list(SETTINGS), ids=list(SETTINGS))
-def test_each_kv_changing_setting_changes_the_digest(change: str):
-    """One setting differs from the baseline: the digest differs."""
-    assert digest(server_args(**SETTINGS[change])) != digest(server_args())
+def test_each_kv_changing_setting_changes_the_digest(change: str, checkpoints):
+    """One setting differs from the baseline (a local checkpoint, so the
+    baseline's digest is stable): the digest differs."""
+    local = {"model_path": str(checkpoints.a)}
+    base = digest(server_args(**local))
+    assert digest(server_args(**local)) == base
+    assert digest(server_args(**{**local, **SETTINGS[change]})) != base
 
 
-def test_draft_revision_changes_the_digest_of_a_speculative_worker():
+def test_draft_revision_changes_the_digest_of_a_speculative_worker(checkpoints):
     """Same draft path, another draft revision: other draft KV."""
-    draft = {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "o/d"}
+    draft = {
+        "model_path": str(checkpoints.a),
+        "speculative_algorithm": "EAGLE",
+        "speculative_draft_model_path": str(checkpoints.copy),
+    }
     v1 = server_args(**draft, speculative_draft_model_revision="v1")
+    assert digest(v1) == digest(
+        server_args(**draft, speculative_draft_model_revision="v1")
+    )
     v2 = server_args(**draft, speculative_draft_model_revision="v2")
     assert digest(v1) != digest(v2)
 
@@ -390,6 +401,129 @@ def test_disk_update_keys_by_checkpoint_content(stack, checkpoints):
     tensor = stack.linker.layout.compatibility_digest
     assert tensor not in (start, a)
     assert update_from_disk(stack, checkpoints.copy) == a
+
+
+def _session_manager(stack: Any) -> Any:
+    manager = weight_manager(stack.cache)
+    runner = manager.tp_worker.weight_update_runners()[0][1]
+    runner.weight_updater.begin_weight_update = lambda: None
+    runner.weight_updater.end_weight_update = lambda run_post_load: None
+    return manager
+
+
+def test_an_rl_weight_session_leaves_kvcr_serving_the_new_weights(stack):
+    """begin, a tensor update (which flushes: re-keyed), end: KVCR works after
+    end; a session whose weights were written without a load (P2P/RDMA) leaves
+    pages refused until a flush re-keys them."""
+    from sglang.srt.managers.io_struct import (
+        BeginWeightUpdateReqInput,
+        EndWeightUpdateReqInput,
+        UpdateWeightsFromTensorReqInput,
+    )
+
+    manager = _session_manager(stack)
+    start = stack.linker.layout.compatibility_digest
+    with mock.patch("torch.distributed.barrier"):
+        assert manager.begin_weight_update(BeginWeightUpdateReqInput()).success
+        assert stack.linker.weights_pending  # pages refused while it runs
+        out = manager.update_weights_from_tensor(
+            UpdateWeightsFromTensorReqInput(serialized_named_tensors=[])
+        )
+        assert out.success, out.message
+        assert not stack.linker.weights_pending
+        assert manager.end_weight_update(EndWeightUpdateReqInput()).success
+    assert not stack.linker.weights_pending
+    assert stack.linker.layout.compatibility_digest != start
+    tokens = list(range(300, 300 + 2 * PAGE))
+    insert_commit_evict(stack, tokens)
+    assert prepared_hit(stack, "rl", tokens) == len(tokens)
+
+    with mock.patch("torch.distributed.barrier"):
+        assert manager.begin_weight_update(BeginWeightUpdateReqInput()).success
+        stack.cache.reset()  # something flushed mid-session; no load ran
+        assert manager.end_weight_update(EndWeightUpdateReqInput()).success
+    assert stack.linker.weights_pending  # the weights changed unseen
+
+
+def test_random_weights_and_resumed_weights_are_refused_until_a_flush(stack):
+    """check_weights(reset_tensors) randomizes the weights, and resuming weight
+    memory may leave them undefined: refused until the next flush; a checksum
+    check or a KV-cache-only resume changes nothing."""
+    from sglang.srt.managers.io_struct import (
+        CheckWeightsReqInput,
+        ResumeMemoryOccupationReqInput,
+    )
+
+    manager = _session_manager(stack)
+    for name in ("check_weights", "resume_memory_occupation"):
+        target = f"{integration._WEIGHTS}.{name}"
+        assert target in integration.WEIGHT_TARGETS
+    hook = integration._around_weight_update
+
+    checks = [
+        ("check_weights", CheckWeightsReqInput(action="checksum"), False),
+        (
+            "resume_memory_occupation",
+            ResumeMemoryOccupationReqInput(tags=["kv_cache"]),
+            False,
+        ),
+        ("check_weights", CheckWeightsReqInput(action="reset_tensors"), True),
+        (
+            "resume_memory_occupation",
+            ResumeMemoryOccupationReqInput(tags=["weights"]),
+            True,
+        ),
+        ("resume_memory_occupation", ResumeMemoryOccupationReqInput(tags=None), True),
+    ]
+    for name, req, changes in checks:
+        hook(_named(name), manager, req)
+        assert stack.linker.weights_pending is changes, (name, req)
+        stack.cache.reset()
+
+
+def _named(name: str) -> Any:
+    def original(manager: Any, req: Any) -> Any:
+        return SimpleNamespace(success=True)
+
+    original.__name__ = name
+    return original
+
+
+def test_lora_adapters_are_part_of_the_digest_by_content(tmp_path, checkpoints):
+    """Startup adapters' ids come from name and path alone (the same on every
+    worker), so the digest carries their content: other weights or another
+    adapter config under the same name and path change it; a copy of the same
+    adapter elsewhere under the same name does not."""
+    from sglang.srt.lora.lora_registry import LoRARef
+
+    def adapter(where: str, weights: bytes, rank: int) -> Path:
+        path = tmp_path / where
+        path.mkdir()
+        (path / "adapter_model.safetensors").write_bytes(weights)
+        (path / "adapter_config.json").write_text(json.dumps({"r": rank}))
+        return path
+
+    def with_lora(path: Path, name: str = "sql") -> str:
+        ref = LoRARef(lora_name=name, lora_path=str(path))
+        return digest(server_args(model_path=model, lora_paths=[ref]))
+
+    model = str(checkpoints.a)
+    base = digest(server_args(model_path=model))
+    v1 = adapter("v1", b"weights-1" * 100, 8)
+    copy = adapter("copy", b"weights-1" * 100, 8)
+    v2 = adapter("v2", b"weights-2" * 100, 8)
+    wider = adapter("wider", b"weights-1" * 100, 16)
+    assert with_lora(v1) != base
+    assert with_lora(v1) == with_lora(v1)  # another worker, same adapter
+    # (A copy elsewhere has another id, so other keys: the digest may differ.)
+    assert with_lora(copy) != base
+    assert with_lora(v1) != with_lora(v2)
+    assert with_lora(v1) != with_lora(wider)
+    assert with_lora(v1) != with_lora(v1, name="other")
+    # The CLI's "name=path" strings mean the same adapters.
+    assert digest(server_args(model_path=model, lora_paths=[f"sql={v1}"])) == (
+        with_lora(v1)
+    )
 
 
 def test_a_failed_update_leaves_the_worker_refusing_pages(stack):

@@ -41,6 +41,7 @@ from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
     LinkerRequestContext,
     PreparationHandle,
 )
+from sglang.srt.mem_cache.storage.kvcr.quarantine import RetainedCore
 
 pytestmark = pytest.mark.kvcr
 
@@ -362,7 +363,8 @@ def _close_uncleanly(adapter, retained):
 
     def close(timeout_s=None):
         real_close(timeout_s)
-        adapter._retained, adapter._clean_close = retained, False
+        adapter.retained = RetainedCore(retained, "stand-in")
+        adapter._clean_close = False
         return False
 
     adapter.close = close
@@ -422,3 +424,177 @@ def test_restore_verdicts_fail_closed_when_ranks_or_records_disagree(linker):
     wrapper.cache._all_reduce_attn_groups = other_rank_has_three
     assert integration._around_finish_loads(lambda w: [], wrapper) == ["a", "b"]
     assert wrapper.reduced == [[2, -3]]  # no per-request reduction attempted
+
+
+def test_past_the_quarantine_bound_the_linker_stops_instead_of_growing(pool):
+    """max_quarantined_cores=1: the first unclean flush quarantines a share
+    (peer fetches stop); the second would exceed the bound, so the new core gets
+    one page per pool and the linker restores and stores nothing; once the cores
+    prove quiescent it gets a full share and works again."""
+    lk = make_linker(pool, max_quarantined_cores=1)
+    try:
+        full = sum(t.numel() for t in lk.dram.storage.values())
+        one_page = full // kvcr_layout_pages(lk)
+        first, second = _RetainedKVCR(), _RetainedKVCR()
+        _close_uncleanly(lk._adapter, first)
+        lk.reset()
+        assert lk.quarantined_bytes() == full and not lk.dram.disabled
+        _close_uncleanly(lk._adapter, second)
+        lk.reset()
+        assert lk.dram.disabled and lk.quarantined_bytes() == 2 * full
+        assert sum(t.numel() for t in lk.dram.storage.values()) == one_page
+        fill_random(pool, [2], seed=4)
+        hashes = hashes_for(1, "disabled")
+        assert offload_and_commit(lk, hashes, [2], "cpu") is False  # stores nothing
+        misses = lk.stats.miss_restore_disabled
+        handle = lk.prepare_request(LinkerRequestContext("x"), kv_transfer(hashes))
+        assert lk.preparation_ready(handle)
+        assert lk.lookup("x", kv_transfer(hashes)) == []
+        assert lk.stats.miss_restore_disabled == misses + 1
+        lk.release_request("x")
+        first.quiescent = second.quiescent = True
+        lk.reset()
+        assert not lk.dram.disabled and lk.quarantined_bytes() == 0
+        assert sum(t.numel() for t in lk.dram.storage.values()) == full
+        assert offload_and_commit(lk, hashes, [2], "cpu") is True
+    finally:
+        lk.close()
+
+
+def kvcr_layout_pages(lk) -> int:
+    from sglang.srt.mem_cache.storage.kvcr import kvcr_layout
+
+    budget = lk.config.local_dram_bytes_per_worker
+    return kvcr_layout.plan_capacity(lk.layout, budget, 1).pages
+
+
+def test_zero_quarantined_cores_stops_peer_fetches_for_good(pool):
+    """max_quarantined_cores=0: the first quarantine stops peer fetches, and
+    they stay off even after its core is reclaimed."""
+    lk = make_linker(pool, max_quarantined_cores=0)
+    try:
+        retained = _RetainedKVCR()
+        _close_uncleanly(lk._adapter, retained)
+        lk.reset()
+        assert lk.dram.peer_fetches_off
+        retained.quiescent = True
+        lk.reset()
+        assert lk.quarantined_bytes() == 0 and lk.dram.peer_fetches_off
+    finally:
+        lk.close()
+
+
+def test_dram_a_restore_copy_may_still_read_is_never_reclaimed(pool):
+    """KVCR closed cleanly, but a restore batch was still copying at the
+    deadline: its DRAM stays quarantined at every later flush."""
+    lk = make_linker(pool, max_quarantined_cores=4)
+    try:
+        with mock.patch.object(lk.restorer, "quiesce", return_value=(False, [])):
+            lk.reset()
+        held = lk.quarantined_bytes()
+        assert held > 0
+        lk.reset()
+        lk.reset()
+        assert lk.quarantined_bytes() == held
+    finally:
+        lk.close()
+
+
+def test_a_second_load_for_one_request_releases_the_first_ones_claims(linker, pool):
+    fill_random(pool, [1, 2], seed=8)
+    hashes = hashes_for(2, "twice")
+    assert offload_and_commit(linker, hashes, [1, 2], "cpu") is True
+    prepare(linker, "t", hashes)
+    released = linker._adapter.stats().claims_released
+    assert linker.load("t", kv_transfer(hashes, [20, 21])) is True
+    assert linker.load("t", kv_transfer(hashes, [22, 23])) is True  # replaces it
+    wait_until(
+        lambda: linker._adapter.stats().claims_released - released == 2,
+        what="the replaced job's claims released",
+    )
+    assert linker.finish_layer_wise_loading(linker.start_layer_wise_loading()) is False
+    assert linker.claims_outstanding() == 0
+
+
+def test_hints_are_ignored_when_attention_ranks_span_nodes(pool, monkeypatch):
+    """A hint names one host; rank r on another node would dial rank 0's host.
+    With --nnodes 2 hints are ignored and counted."""
+    from sglang.srt.mem_cache.storage.kvcr import linker_setup
+
+    # Rank 0 of a two-rank attention group (no process group in this test).
+    monkeypatch.setattr(linker_setup, "attn_rank", lambda params: (0, 2))
+    lk = kvcr_stack_linker(pool, server_args={"nnodes": 2})
+    try:
+        assert lk.placement.multi_node
+        hashes = hashes_for(2, "multinode")
+        ctx = LinkerRequestContext("m", 0, fetch_hint("tcp://127.0.0.1:1", hashes))
+        handle = lk.prepare_request(ctx, kv_transfer(hashes))
+        assert lk.preparation_ready(handle)
+        assert lk.stats.hints_multinode_off == 1
+        assert "hints_multinode_off=1" in lk.stats_line()
+        lk.release_request("m")
+    finally:
+        lk.close()
+
+
+def kvcr_stack_linker(pool, **kw):
+    from cpu_harness import kvcr_stack
+    from cpu_harness.kvcr_pages import PAGE, PAGE_BYTES, POOL_PAGES
+
+    config = {"local_dram_bytes_per_worker": POOL_PAGES * PAGE_BYTES}
+    return kvcr_stack.bare_linker(pool, PAGE, config, **kw)
+
+
+def test_a_hint_naming_this_worker_in_another_spelling_is_still_local():
+    """Host case and address spelling do not make this worker a NIXL peer."""
+    from sglang.srt.mem_cache.storage.kvcr.linker_stats import LinkerStats
+    from sglang.srt.mem_cache.storage.kvcr.router_hint import (
+        EndpointAllowlist,
+        RouterHintParser,
+        own_endpoints,
+        request_hint,
+    )
+
+    names = own_endpoints("tcp://Worker-1.Example:47000", ("0.0.0.0", "10.0.0.5"))
+    assert names == {"tcp://worker-1.example:47000", "tcp://10.0.0.5:47000"}
+    parser = RouterHintParser(
+        EndpointAllowlist(("worker-1.example", "10.0.0.5"), ""), rank_offset=0
+    )
+    hashes = hashes_for(1, "self-spelling")
+    stats = LinkerStats()
+    for spelling in ("tcp://WORKER-1.example:47000", "tcp://10.0.0.5:47000"):
+        ctx = LinkerRequestContext("s", 0, fetch_hint(spelling, hashes))
+        got = request_hint(parser, ctx, hashes, names, False, False, stats)
+        assert got.hint is None, spelling
+    assert stats.hints_self == 2
+    ctx = LinkerRequestContext("s", 0, fetch_hint("tcp://10.0.0.5:47001", hashes))
+    assert request_hint(parser, ctx, hashes, names, False, False, stats).hint
+
+
+def test_staged_offload_events_follow_the_page_number_kernels(linker, pool):
+    """The ready events a staged copy waits on are recorded after the device
+    page numbers are computed (else its stream could read them unwritten)."""
+    from sglang.srt.mem_cache.storage.kvcr import offloader as offloader_mod
+
+    order: list[str] = []
+    real = offloader_mod.page_numbers
+
+    def numbers(*args):
+        order.append("page_numbers")
+        return real(*args)
+
+    def ready():
+        order.append("ready_events")
+        return ()
+
+    with mock.patch.object(offloader_mod, "page_numbers", numbers):
+        linker.offloader.offload(
+            kv_transfer(hashes_for(1, "order"), [3]),
+            linker._adapter,
+            linker._agent,
+            ready,
+            False,
+        )
+    assert order == ["page_numbers", "ready_events"]
+    wait_until(lambda: linker.num_completed_offloads() == 1, what="offload result")
+    linker.pop_completed_offload()

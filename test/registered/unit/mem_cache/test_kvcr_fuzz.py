@@ -10,7 +10,8 @@ method raises, self-containing lists and deeply nested JSON.
 
 ``KVCR_FUZZ_EXAMPLES`` sets the examples per target (default 300, as in ``make
 test``; ``make faults`` runs 10,000). With ``KVCR_FUZZ_REPORT=<path>`` each test
-appends ``{"target", "examples", "failures"}`` as a JSON line to that file.
+appends ``{"target", "examples", "failures", "accepted"}`` (inputs the parser
+accepted) as a JSON line to that file.
 """
 
 from __future__ import annotations
@@ -66,19 +67,22 @@ class Counter:
 
     def __init__(self, target: str) -> None:
         self.target, self.examples, self.failures = target, 0, 0
+        self.accepted = 0  # runs whose check returned True (an accepted input)
 
     def run(self, check: Any, *args: Any) -> None:
         self.examples += 1
         try:
-            check(*args)
+            accepted = check(*args)
         except BaseException:
             self.failures += 1
             raise
+        self.accepted += accepted is True
 
     def write(self) -> None:
         if REPORT:
             line = {"target": self.target, "examples": self.examples}
             line["failures"] = self.failures
+            line["accepted"] = self.accepted
             with open(REPORT, "a") as fh:
                 fh.write(json.dumps(line) + "\n")
 
@@ -350,6 +354,44 @@ ENVELOPE_OBJECTS = ENVELOPE_DICTS.map(
         else env["actions"]
     )
 )
+# Actions the allowlist should accept (most of them, before the rank offset is
+# added): without these the oracle below would only ever see rejections.
+ALLOWED_ENDPOINTS = (
+    st.builds(
+        "tcp://10.1.{}.{}:{}".format,
+        st.integers(0, 255),
+        st.integers(0, 255),
+        st.integers(5000, 5009),
+    )
+    | st.builds("tcp://[fd00::{:x}]:7000".format, st.integers(0, 0xFFFF))
+    | st.builds("tcp://peer.example:{}".format, st.integers(6000, 6001))
+    | st.just("tcp://127.0.0.1:4000")
+)
+VALID_HASHES = st.lists(
+    st.integers(min_value=-(1 << 63), max_value=U64)
+    | st.builds(
+        lambda prefix, value: prefix + format(value, "016x"),
+        st.sampled_from(["", "0x", "0X"]),
+        st.integers(min_value=0, max_value=U64),
+    ),
+    min_size=1,
+    max_size=4,
+)
+ALLOWED_ACTIONS = st.fixed_dictionaries(
+    {
+        "action_type": st.just("kv.fetch"),
+        "action_version": st.sampled_from(["1.0", "1", "1.9"]),
+        "payload": st.fixed_dictionaries(
+            {
+                "source_control_endpoint": ALLOWED_ENDPOINTS,
+                "block_hashes": VALID_HASHES,
+            },
+            optional={"mode": st.just("copy"), "no_retain": st.just(False)},
+        ),
+    }
+)
+# At least this share of the allowlist oracle's examples must be accepted hints.
+ACCEPTED_FLOOR = 0.25
 HINT_INPUTS = (
     JSON
     | ENVELOPE_DICTS
@@ -410,7 +452,7 @@ ALLOWLIST_COUNT = Counter("RouterHintParser.parse (allowlist oracle)")
 CONFIG_COUNT = Counter("KVCRLinkerConfig.from_startup_config")
 
 
-def _check_hostile(kv_hints: Any, rank_offset: int) -> None:
+def _check_hostile(kv_hints: Any, rank_offset: int) -> bool:
     parser = RouterHintParser(
         EndpointAllowlist(["0.0.0.0/0", "::/0", "peer.example"], "127.0.0.1"),
         rank_offset=rank_offset,
@@ -426,15 +468,17 @@ def _check_hostile(kv_hints: Any, rank_offset: int) -> None:
         )
         assert 0 < int(hint.source_endpoint.rsplit(":", 1)[1]) <= 65535
         assert hint.block_hashes and all(0 <= h <= U64 for h in hint.block_hashes)
+    return hint is not None
 
 
-def _check_allowlist(envelope: Any, rank_offset: int) -> None:
+def _check_allowlist(envelope: Any, rank_offset: int) -> bool:
+    """True when the parser accepted the hint (then checked against the oracle)."""
     parser = RouterHintParser(
         EndpointAllowlist(ALLOWLIST, "127.0.0.1"), rank_offset=rank_offset
     )
     hint = parser.parse(envelope)
     if hint is None:
-        return
+        return False
     host, _, port = hint.source_endpoint[len("tcp://") :].rpartition(":")
     assert _oracle_allows(host, int(port)), hint.source_endpoint
     payload = next(
@@ -446,6 +490,7 @@ def _check_allowlist(envelope: Any, rank_offset: int) -> None:
     given_port = int(_plain(payload["source_control_endpoint"]).rsplit(":", 1)[1])
     assert int(port) == given_port + rank_offset
     assert hint.block_hashes == _expected_hashes(payload["block_hashes"])
+    return True
 
 
 @FUZZ
@@ -458,15 +503,27 @@ def test_hint_parser_never_raises_on_hostile_input(kv_hints, rank_offset):
 @FUZZ
 @given(
     st.fixed_dictionaries(
-        {"actions": st.lists(ACTIONS, min_size=1, max_size=2)},
+        {"actions": st.lists(ALLOWED_ACTIONS | ACTIONS, min_size=1, max_size=2)},
         optional={"protocol_version": st.just("1.0")},
     ),
     st.integers(min_value=0, max_value=3),
 )
-def test_hint_parser_accepts_only_allowlisted_endpoints(envelope, rank_offset):
-    """An accepted hint names an allowlisted host and port (rank-shifted) and the
-    exact hashes given; anything else is rejected."""
+def _allowlist_examples(envelope, rank_offset):
     ALLOWLIST_COUNT.run(_check_allowlist, envelope, rank_offset)
+
+
+def test_hint_parser_accepts_only_allowlisted_endpoints():
+    """An accepted hint names an allowlisted host and port (rank-shifted) and the
+    exact hashes given; anything else is rejected. Enough of the examples must be
+    accepted for the oracle to have judged something."""
+    examples, accepted = ALLOWLIST_COUNT.examples, ALLOWLIST_COUNT.accepted
+    _allowlist_examples()
+    examples = ALLOWLIST_COUNT.examples - examples
+    accepted = ALLOWLIST_COUNT.accepted - accepted
+    assert examples >= FUZZ_EXAMPLES, examples
+    assert accepted >= ACCEPTED_FLOOR * examples, (
+        f"only {accepted} of {examples} examples were accepted hints"
+    )
 
 
 # ---- config parser -------------------------------------------------------------
@@ -531,7 +588,7 @@ CONFIG_INPUTS = (
 )
 
 
-def _check_config(backend: str, raw: Any) -> None:
+def _check_config(backend: str, raw: Any) -> bool:
     try:
         config = KVCRLinkerConfig.from_startup_config(backend, raw)
     except KVCRConfigError as exc:
@@ -539,11 +596,12 @@ def _check_config(backend: str, raw: Any) -> None:
         assert message.startswith(FLAG), message[:200]
         assert "\n" not in message, message[:200]
         assert len(message) < 4000, len(message)
-        return
+        return False
     assert isinstance(config, KVCRLinkerConfig)
     assert config.local_dram_bytes_per_worker >= 1
     assert config.abandon_timeout_ms >= 2 * config.operation_timeout_ms
     assert 0 <= config.control_port <= 65535
+    return True
 
 
 @FUZZ

@@ -37,7 +37,6 @@ from cpu_harness.kvcr_pages import (
     wrong_bytes,
 )
 from sglang.srt.mem_cache.storage.kvcr import host_memory
-from sglang.srt.mem_cache.storage.kvcr import kvcr_direct_linker as linker_mod
 from sglang.srt.mem_cache.storage.kvcr.device_streams import DeviceBinding
 from sglang.srt.mem_cache.storage.kvcr.offload_staging import StageJob
 from sglang.srt.mem_cache.storage.kvcr.restore_copy import SpanRestore
@@ -59,7 +58,7 @@ def test_offload_evict_restore_is_byte_exact_every_repetition(device, path):
     pool = make_pool(device)
     lk = make_linker(pool, offload_path=path)
     try:
-        assert (lk._staging is not None) == (path == "staged")
+        assert (lk.offloader.staging is not None) == (path == "staged")
         src, dest = [3, 4, 5, 9], [40, 21, 33, 22]
         for rep in range(REPS):
             fill_random(pool, src + [50], seed=100 + rep)
@@ -201,7 +200,7 @@ def test_failed_restore_drains_its_stream_before_slots_are_given_back(monkeypatc
             drained_at_fail.append(queued["event"].query())
             real_fail(index, exc)
 
-        monkeypatch.setattr(lk._span_restore, "copy_pool", copy_then_raise)
+        monkeypatch.setattr(lk.restorer.span_restore, "copy_pool", copy_then_raise)
         monkeypatch.setattr(lk.layer_done_counter, "fail", fail)
         assert restore(lk, "x", hashes, dest, "cuda") is False
         assert drained_at_fail == [True]
@@ -285,7 +284,7 @@ def test_stager_binds_the_pools_device_and_drains_before_depositing(monkeypatch)
         layout = lk.layout
         staging = HostStaging(
             layout.pools,
-            lk._dest_rows,
+            lk.restorer.dest_rows,
             8,
             memory=host_memory.HostMemory(pin=False),
             device=DeviceBinding(torch.device("cuda", 3)),
@@ -339,7 +338,7 @@ def test_loader_binds_the_device_waits_its_fences_and_drains_first(monkeypatch, 
     pool = make_pool("cpu")
     lk = make_linker(pool)
     rec = _Recorder()
-    cpu_binding = lk._device
+    cpu_binding = lk.restorer._device
     try:
         src, dest = [1, 2, 3], [11, 12, 13]
         fill_random(pool, src, seed=3)
@@ -349,11 +348,11 @@ def test_loader_binds_the_device_waits_its_fences_and_drains_first(monkeypatch, 
         prepare(lk, "l", hashes)
         assert lk.load("l", kv_transfer(hashes, dest)) is True
         # The loader thread as on a GPU host: device cuda:2, CUDA calls recorded.
-        lk._loader_jobs.put(None)
-        lk._loader.join(5)
+        lk.restorer.jobs.put(None)
+        lk.restorer.thread.join(5)
         rec.install(monkeypatch)
-        lk._device = DeviceBinding(torch.device("cuda", 2))
-        lk._span_restore = span = SpanRestore(torch.device("cpu"))
+        lk.restorer._device = DeviceBinding(torch.device("cuda", 2))
+        lk.restorer.span_restore = span = SpanRestore(torch.device("cpu"))
         real_copy = span.copy_pool
 
         def copy_pool(*args):
@@ -371,9 +370,9 @@ def test_loader_binds_the_device_waits_its_fences_and_drains_first(monkeypatch, 
                 method,
                 lambda *a, _real=real, _m=method: (rec.add(_m), _real(*a))[1],
             )
-        lk._is_cuda = True
-        lk._loader = threading.Thread(target=lk._loader_main, name="kvcr-loader-t")
-        lk._loader.start()
+        loader = lk.restorer.loader_main
+        lk.restorer.thread = threading.Thread(target=loader, name="kvcr-loader-t")
+        lk.restorer.thread.start()
         fence = object()
         monkeypatch.setattr(
             DeviceBinding, "record_fences", lambda self, forward: (fence,)
@@ -392,8 +391,7 @@ def test_loader_binds_the_device_waits_its_fences_and_drains_first(monkeypatch, 
             assert kinds[3:] == ["copy", "drain"] + ["complete"] * LAYERS
             assert wrong_bytes(pool, dest, originals) == 0
     finally:
-        lk._is_cuda = False
-        lk._device = cpu_binding
+        lk.restorer._device = cpu_binding
         lk.close()
 
 
@@ -440,6 +438,9 @@ def test_scheduler_thread_never_reads_device_indices_on_the_host(path):
         fill_random(pool, src, seed=9)
         originals = [page_bytes(pool, p) for p in src]
         hashes = hashes_for(4, f"spy-{path}")
+        with _watching() as calls:  # the spy's positive control: a host read
+            kv_transfer(hashes, src, cls=_SyncSpy)[0].device_indices.tolist()
+        assert calls == ["tolist"]
         with _watching() as calls:
             assert lk.offload(kv_transfer(hashes, src, cls=_SyncSpy)) is True
         assert calls == []
@@ -488,7 +489,7 @@ def test_direct_offload_is_deposited_once_its_fences_complete_without_blocking()
     lk = make_linker(pool, offload_path="direct")
     try:
         fence = _Fence()
-        lk._device = _FencedBinding(lk._device, fence)
+        lk.offloader._device = _FencedBinding(lk.offloader._device, fence)
         fill_random(pool, [1, 2], seed=5)
         originals = [page_bytes(pool, p) for p in (1, 2)]
         hashes = hashes_for(2, "fenced")
@@ -496,7 +497,7 @@ def test_direct_offload_is_deposited_once_its_fences_complete_without_blocking()
         for _ in range(20):
             assert lk.num_completed_offloads() == 0
             time.sleep(0.005)
-        assert len(lk._deferred_deposits) == 1
+        assert lk.offloader.queue.deferred_count == 1
         assert lk._adapter.stats().inflight_offload_bytes == 0  # nothing submitted
         fence.done = True
         wait_until(lambda: lk.num_completed_offloads() == 1, what="fenced offload")
@@ -538,8 +539,9 @@ def test_linker_pins_exactly_its_dram_share_and_staging(monkeypatch):
         host_memory, "_cuda_register", lambda p, n: locked.update({p: n})
     )
     monkeypatch.setattr(host_memory, "_cuda_unregister", lambda p: locked.pop(p))
-    real = linker_mod.HostMemory
-    monkeypatch.setattr(linker_mod, "HostMemory", lambda pin: real(pin=True))
+    real = host_memory.HostMemory
+    # linker_setup builds the rank's memory with a pinning HostMemory.
+    monkeypatch.setattr(host_memory, "HostMemory", lambda pin: real(pin=True))
     pool = make_pool("cpu")
     share = 37 * PAGE_BYTES + 123  # not a power of two, not whole pages
     inflight = 5 * PAGE_BYTES
@@ -550,13 +552,13 @@ def test_linker_pins_exactly_its_dram_share_and_staging(monkeypatch):
         max_inflight_offload_bytes=inflight,
     )
     try:
-        storage = sum(t.numel() for t in lk._storage.values())
-        staging = sum(t.numel() for t in lk._staging.buffers.values())
-        assert storage <= share and storage == 37 * PAGE_BYTES
-        assert staging == 5 * PAGE_BYTES
+        storage = sum(t.numel() for t in lk.dram.storage.values())
+        staging = sum(t.numel() for t in lk.offloader.staging.buffers.values())
+        assert storage == share // PAGE_BYTES * PAGE_BYTES  # whole pages only
+        assert staging == inflight
         assert sorted(locked.values()) == sorted(
-            [t.numel() for t in lk._storage.values()]
-            + [t.numel() for t in lk._staging.buffers.values()]
+            [t.numel() for t in lk.dram.storage.values()]
+            + [t.numel() for t in lk.offloader.staging.buffers.values()]
         )
         assert lk.pinned_bytes() == storage + staging
         assert f"pinned_bytes={storage + staging} " in lk.stats_line()
@@ -601,10 +603,12 @@ def test_a_direct_offload_whose_pages_never_get_written_fails_at_its_deadline():
     pool = make_pool("cpu")
     lk = make_linker(pool, offload_path="direct", operation_timeout_ms=300)
     try:
-        lk._device = _FencedBinding(lk._device, _Fence())
+        lk.offloader._device = _FencedBinding(lk.offloader._device, _Fence())
         fill_random(pool, [1], seed=6)
         assert lk.offload(kv_transfer(hashes_for(1, "wedged"), [1])) is True
-        lk._device = lk._device._real  # later offloads have nothing to wait for
+        lk.offloader._device = (
+            lk.offloader._device._real
+        )  # later offloads have nothing to wait for
         assert lk.offload(kv_transfer(hashes_for(1, "after"), [1])) is True
         wait_until(lambda: lk.num_completed_offloads() == 2, what="both results")
         assert [lk.pop_completed_offload(), lk.pop_completed_offload()] == [False, True]

@@ -113,8 +113,16 @@ def test_attention_replica_reads_the_rank_sglang_published(monkeypatch):
     _published_parallel(monkeypatch, dp_rank=3, attn_dp_rank=0, attn_dp_size=1)
     assert integration.attention_replica(SimpleNamespace(dp_size=4)) == (3, 4)
     _published_parallel(monkeypatch, dp_rank=None, attn_dp_rank=1, attn_dp_size=2)
-    dp_attention = SimpleNamespace(dp_size=2, enable_dp_attention=True)
-    assert integration.attention_replica(dp_attention) == (1, 2)
+    deprecated = SimpleNamespace(dp_size=2, enable_dp_attention=True)
+    assert integration.attention_replica(deprecated) == (1, 2)
+    # What 0.5.23 resolves --dp-size 2 --enable-dp-attention (or --attn-dp-size
+    # 2) into: dp_size 1, attn_dp_size 2.
+    resolved = SimpleNamespace(dp_size=1, attn_dp_size=2)
+    assert integration.attention_replica(resolved) == (1, 2)
+    # DP replicas of attention-DP groups: replica 3 * 2 + 1 of 8.
+    _published_parallel(monkeypatch, dp_rank=3, attn_dp_rank=1, attn_dp_size=2)
+    both = SimpleNamespace(dp_size=4, attn_dp_size=2)
+    assert integration.attention_replica(both) == (7, 8)
 
 
 def test_an_unknown_dp_rank_is_refused_naming_the_flag(monkeypatch):

@@ -144,7 +144,8 @@ def test_kv_fetch_is_used_only_for_major_version_one(version, accepted):
 
 
 def _negative_page_hash():
-    utils = pytest.importorskip("sglang.srt.mem_cache.utils")
+    from sglang.srt.mem_cache import utils
+
     for start in range(64):
         (page,) = utils.get_storage_hash_str(list(range(start, start + 16)), None, 16)
         if utils.hash_str_to_int64(page) < 0:
@@ -165,7 +166,8 @@ def test_signed_unsigned_and_hex_hashes_of_a_real_page_map_to_one_value():
 
 def test_page_hash_to_u64_matches_sglang_for_positive_hashes_and_rejects_junk():
     """Below 2**63 the unsigned form equals SGLang's value; junk raises ValueError."""
-    utils = pytest.importorskip("sglang.srt.mem_cache.utils")
+    from sglang.srt.mem_cache import utils
+
     for page in utils.get_storage_hash_str(list(range(64)), None, 16):
         assert page_hash_to_u64(page) == utils.hash_str_to_int64(page) & U64
     for junk in ["", "abc", "zz" * 16, "0x" + "0" * 16, None]:
@@ -469,7 +471,8 @@ def test_warning_is_rate_limited_per_reason(monkeypatch, caplog):
 
 def test_kvcr_own_hint_parser_accepts_the_envelope_we_build():
     """Round trip: kvcr's own parser reads our envelope back unchanged."""
-    hint_parser = pytest.importorskip("kvcr.hint_parser")
+    from kvcr import hint_parser
+
     hint = FetchHint("tcp://127.0.0.1:43150", (0, 1, U64, 1 << 63))
     parsed = hint_parser._KVFetchHint.from_hint(hint.to_kvcr_envelope())
     assert parsed.source_endpoint == hint.source_endpoint

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import re
 import subprocess
 import time
@@ -35,6 +36,12 @@ pytestmark = pytest.mark.server
 
 REPO = Path(__file__).resolve().parents[4]
 KVCR_CONFIG = {"local_dram_bytes_per_worker": 64 * 1024 * 1024}
+# A small device pool (still room for the 1500-token prompt) so filler traffic
+# evicts a prompt from the device and only KVCR can serve its replay.
+PAGE = 16
+POOL_TOKENS = 2048
+PROMPT_LEN = 256
+VOCAB = 300  # token ids the tiny model knows
 HELP_TIMEOUT_S = 120
 STARTUP_TIMEOUT_S = 180
 SHUTDOWN_BOUND_S = 30.0
@@ -52,7 +59,13 @@ def kvcr_server(
 ) -> Iterator[ServerHandle]:
     log = tmp_path_factory.mktemp("kvcr-server") / "server.log"
     handle = launch_server(
-        kvcr_linker_args(KVCR_CONFIG),
+        [
+            "--page-size",
+            str(PAGE),
+            "--max-total-tokens",
+            str(POOL_TOKENS),
+            *kvcr_linker_args(KVCR_CONFIG),
+        ],
         model_path=tiny_model,
         log_path=log,
         startup_timeout=STARTUP_TIMEOUT_S,
@@ -85,6 +98,8 @@ def test_launch_server_help_lists_kvcr_backend() -> None:
 
 
 def test_kvcr_server_generates_expected_tokens(kvcr_server: ServerHandle) -> None:
+    """A replay evicted from the device comes back from KVCR with the same greedy
+    tokens as the prompt's first, uncached run."""
     info = kvcr_server.get("/server_info").json()
     assert info["enable_unified_cache_external_linker"] is True
     assert info["unified_cache_external_linker_backend"] == "kvcr"
@@ -93,14 +108,26 @@ def test_kvcr_server_generates_expected_tokens(kvcr_server: ServerHandle) -> Non
     # The scheduler built the plugin's linker (not just accepted the flags).
     assert "KVCR direct linker up" in kvcr_server.log_text(), kvcr_server.log_tail()
 
-    out = kvcr_server.generate("The quick brown fox", max_new_tokens=8)
-    assert len(out["output_ids"]) == 8
-    assert out["meta_info"]["completion_tokens"] == 8
-    assert out["meta_info"]["finish_reason"]["type"] == "length"
+    rng = random.Random(13)
+    prompt = [rng.randrange(3, VOCAB) for _ in range(PROMPT_LEN)]
+    # The control: the first run of the prompt, computed from scratch (greedy).
+    control = kvcr_server.generate(input_ids=prompt, max_new_tokens=8)
+    assert control["meta_info"]["cached_tokens"] == 0, control["meta_info"]
+    assert len(control["output_ids"]) == 8
+    assert control["meta_info"]["completion_tokens"] == 8
+    assert control["meta_info"]["finish_reason"]["type"] == "length"
 
-    again = kvcr_server.generate("The quick brown fox", max_new_tokens=8)
-    assert again["output_ids"] == out["output_ids"]  # greedy is deterministic
-    assert again["meta_info"]["cached_tokens"] > 0  # radix prefix hit on repeat
+    # Unrelated prompts fill the device pool twice over: the prompt's pages leave
+    # the device, and only their KVCR copies remain.
+    for _ in range(2 * POOL_TOKENS // PROMPT_LEN + 2):
+        filler = [rng.randrange(3, VOCAB) for _ in range(PROMPT_LEN)]
+        kvcr_server.generate(input_ids=filler, max_new_tokens=1)
+    replay = kvcr_server.generate(input_ids=prompt, max_new_tokens=8)
+    details = replay["meta_info"].get("cached_tokens_details") or {}
+    aligned = (PROMPT_LEN - 1) // PAGE * PAGE  # full pages SGLang may reuse
+    assert replay["output_ids"] == control["output_ids"]
+    assert details.get("device", 0) == 0, details  # not the device radix cache
+    assert details.get("host", 0) >= 0.9 * aligned, details  # restored from KVCR
 
 
 def test_kvcr_server_accepts_long_prompt(kvcr_server: ServerHandle) -> None:

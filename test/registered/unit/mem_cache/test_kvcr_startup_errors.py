@@ -23,17 +23,17 @@ from typing import Any
 import pytest
 import torch
 
-from sglang.srt.mem_cache.storage.kvcr import kvcr_adapter
+from cpu_harness import kvcr_stack
+from sglang.srt.mem_cache.storage.kvcr import kvcr_factory
 from sglang.srt.mem_cache.storage.kvcr.errors import KVCRUnavailableError
 from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import (
     AdapterLimits,
     KVCRAdapter,
-    make_kvcr_factory,
 )
 
 pytestmark = pytest.mark.kvcr
 
-HERE = Path(__file__).resolve().parent
+TEST_DIR = Path(__file__).resolve().parents[3]  # the repository's test/
 BLOCK = 4096
 STARTUP_TIMEOUT_S = 30.0  # the adapter's own bounded wait for KVCR to start
 CHILD_TIMEOUT_S = 180.0  # a child imports torch + kvcr on 2 loaded cores
@@ -44,41 +44,12 @@ UCX_IBV_REG_MR_LOG = (
 )
 
 
-class _IntKeys:
-    def encode(self, key: object) -> bytes:
-        return bytes(key)  # type: ignore[arg-type]
-
-    def decode(self, key: bytes) -> int:
-        return int.from_bytes(key[:8], "big")
-
-
 def start_adapter(name: str, framework_mem_type: str = "DRAM") -> KVCRAdapter:
     """A real KVCR through the production factory, over small CPU tensors."""
-    from kvcr.types import RegionDescriptor
-
     fw = torch.zeros(4, BLOCK, dtype=torch.uint8)
     store = torch.zeros(4 * BLOCK, dtype=torch.uint8)
-    factory = make_kvcr_factory(
-        agent_name=name,
-        pool_layouts=[("kv", BLOCK)],
-        framework_regions=[
-            RegionDescriptor(
-                mem_type=framework_mem_type,
-                addr=fw.data_ptr(),
-                size=BLOCK,
-                count=fw.shape[0],
-                label="kv",
-            )
-        ],
-        local_dram_pools=[("kv", store.data_ptr(), store.numel())],
-        key_adapter=_IntKeys(),
-        control_bind_host="127.0.0.1",
-        control_advertise_host="127.0.0.1",
-        control_port=0,
-        operation_timeout_ms=1000,
-        abandon_timeout_ms=2000,
-        eviction_policy="lru",
-        nixl_progress_thread=False,
+    factory = kvcr_stack.small_kvcr_factory(
+        name, fw, store, BLOCK, mem_type=framework_mem_type, operation_timeout_ms=1000
     )
     limits = AdapterLimits(1 << 20, 1 << 20, wait_timeout_s=STARTUP_TIMEOUT_S)
     return KVCRAdapter(factory, limits, name=name)
@@ -98,14 +69,16 @@ def child_main() -> None:
 
 
 def run_child(env_overrides: dict[str, str]) -> dict[str, Any]:
+    """Run ``child_main`` in a fresh interpreter (this file as a script)."""
     env = {k: v for k, v in os.environ.items() if k != "UCX_TLS"}
     env.update(env_overrides)
-    code = (
-        f"import sys; sys.path.insert(0, {str(HERE)!r}); "
-        "import test_kvcr_startup_errors as t; t.child_main()"
+    # The child imports cpu_harness, as this module does (conftest puts test/ on
+    # this process's sys.path only).
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(TEST_DIR), env.get("PYTHONPATH", "")) if p
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, str(Path(__file__).resolve())],
         env=env,
         capture_output=True,
         text=True,
@@ -130,6 +103,24 @@ def assert_one_line(message: str) -> None:
     assert "\n" not in message, message
 
 
+REMEDIES = (
+    kvcr_factory._REMEDY_PORT,
+    kvcr_factory._REMEDY_NO_UCX,
+    kvcr_factory._REMEDY_GPUDIRECT,
+    kvcr_factory._REMEDY_UCX_START,
+)
+
+
+def split_startup_error(message: str) -> tuple[str, str]:
+    """(what failed, the remedy appended to it: one of REMEDIES, or '')."""
+    prefix = "KVCR failed to start: "
+    assert message.startswith(prefix), message
+    for remedy in REMEDIES:
+        if message.endswith(remedy):
+            return message[len(prefix) : -len(remedy)], remedy
+    return message[len(prefix) :], ""
+
+
 # ---- control port ----------------------------------------------------------------
 
 
@@ -144,8 +135,6 @@ def plugin_loaded() -> None:
 def test_control_port_in_use_is_refused_naming_control_port_and_the_fix():
     """A linker whose control_port another process listens on fails to start, saying
     which field to change and how."""
-    from cpu_harness import kvcr_stack
-
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         stack = kvcr_stack.build_cache(
@@ -159,10 +148,10 @@ def test_control_port_in_use_is_refused_naming_control_port_and_the_fix():
             kvcr_stack.create_linker(stack)
     message = str(info.value)
     assert_one_line(message)
-    assert message.startswith("KVCR failed to start: ")
-    assert "Address already in use" in message and str(port) in message
-    assert "control_port (+ attention rank) is already in use" in message
-    assert "set control_port to 0" in message
+    cause, remedy = split_startup_error(message)
+    # What only the real bind failure produces: the OS error and the taken port.
+    assert "Address already in use" in cause and str(port) in cause, cause
+    assert remedy == kvcr_factory._REMEDY_PORT
 
 
 # ---- NIXL / UCX, for real in a child process ----------------------------------------
@@ -170,8 +159,7 @@ def test_control_port_in_use_is_refused_naming_control_port_and_the_fix():
 
 def _only_posix_plugin(tmp_path: Path) -> dict[str, str]:
     posix = nixl_plugin_dir() / "libplugin_POSIX.so"
-    if not posix.exists():
-        pytest.skip(f"no NIXL POSIX plugin at {posix}")
+    assert posix.exists(), f"nixl==1.5.0 ships its POSIX plugin; none at {posix}"
     plugins = tmp_path / "plugins"
     plugins.mkdir()
     (plugins / posix.name).symlink_to(posix)
@@ -189,9 +177,9 @@ def _ucx_without_tcp(tmp_path: Path) -> dict[str, str]:
 @pytest.mark.parametrize(
     ("environment", "status", "remedy"),
     [
-        (_only_posix_plugin, "NIXL_ERR_NOT_FOUND", kvcr_adapter._REMEDY_NO_UCX),
-        (_no_plugins, "No plugins available for NIXL", kvcr_adapter._REMEDY_NO_UCX),
-        (_ucx_without_tcp, "NIXL_ERR_BACKEND", kvcr_adapter._REMEDY_UCX_START),
+        (_only_posix_plugin, "NIXL_ERR_NOT_FOUND", kvcr_factory._REMEDY_NO_UCX),
+        (_no_plugins, "No plugins available for NIXL", kvcr_factory._REMEDY_NO_UCX),
+        (_ucx_without_tcp, "NIXL_ERR_BACKEND", kvcr_factory._REMEDY_UCX_START),
     ],
     ids=["ucx-plugin-missing", "no-nixl-plugins", "ucx-tls-without-tcp"],
 )
@@ -204,8 +192,9 @@ def test_nixl_without_a_working_ucx_backend_is_refused_with_the_setting_to_fix(
     assert result["error"] == "KVCRUnavailableError", result
     message = result["message"]
     assert_one_line(message)
-    assert message.startswith(f"KVCR failed to start: {status}")
-    assert message.endswith(remedy)
+    cause, chosen = split_startup_error(message)
+    assert cause.startswith(status), cause  # NIXL's own status, from the child
+    assert chosen == remedy
     assert result["threads"] == []
 
 
@@ -240,10 +229,19 @@ def test_gpu_registration_failure_names_ucx_tls_and_nvidia_peermem(monkeypatch):
     assert vram_attempts, "KVCR never tried to register the GPU region"
     message = str(info.value)
     assert_one_line(message)
-    assert message.startswith("KVCR failed to start: NIXL_ERR_BACKEND; ")
-    assert "ibv_reg_mr: Bad address" in message
-    assert "load nvidia_peermem" in message
-    assert "UCX_TLS=tcp,cuda_copy,cuda_ipc" in message
+    # The cause is the binding's own error, raised inside nixl's register_memory:
+    # that call site, not the status text, is what selects the GPUDirect remedy.
+    chain: list[BaseException] = []
+    link = info.value.__cause__
+    while link is not None and link not in chain:
+        chain.append(link)
+        link = link.__cause__ or link.__context__
+    raised = [e for e in chain if isinstance(e, bindings.nixlBackendError)]
+    assert raised, chain
+    assert "register_memory" in kvcr_factory._nixl_calls(raised[0])
+    cause, remedy = split_startup_error(message)
+    assert cause == "NIXL_ERR_BACKEND"
+    assert remedy == kvcr_factory._REMEDY_GPUDIRECT
 
 
 # ---- the matcher itself ------------------------------------------------------------
@@ -264,10 +262,10 @@ def register_memory(exc: BaseException) -> BaseException:
 @pytest.mark.parametrize(
     ("exc", "remedy"),
     [
-        (RuntimeError("[Errno 98] Address already in use"), kvcr_adapter._REMEDY_PORT),
+        (RuntimeError("[Errno 98] Address already in use"), kvcr_factory._REMEDY_PORT),
         (
             RuntimeError(UCX_IBV_REG_MR_LOG.split("ERROR ")[1]),
-            kvcr_adapter._REMEDY_GPUDIRECT,
+            kvcr_factory._REMEDY_GPUDIRECT,
         ),
         (OSError(14, "Bad address"), ""),
         (RuntimeError("mmap failed: Bad address"), ""),
@@ -291,20 +289,41 @@ def register_memory(exc: BaseException) -> BaseException:
 )
 def test_remedy_matches_only_the_failures_it_knows(exc, remedy):
     """Each remedy fires on its own failure only; anything else gets none."""
-    assert kvcr_adapter._startup_remedy(exc) == remedy
+    assert kvcr_factory.startup_remedy(exc) == remedy
 
 
 @pytest.mark.parametrize(
-    ("remedy", "names"),
+    ("exc", "names"),
     [
-        (kvcr_adapter._REMEDY_PORT, ["control_port"]),
-        (kvcr_adapter._REMEDY_NO_UCX, ["NIXL_PLUGIN_DIR", "nixl==1.5.0"]),
-        (kvcr_adapter._REMEDY_GPUDIRECT, ["nvidia_peermem", "UCX_TLS"]),
-        (kvcr_adapter._REMEDY_UCX_START, ["UCX_TLS", "UCX_NET_DEVICES"]),
+        (RuntimeError("[Errno 98] Address already in use"), ["control_port"]),
+        (RuntimeError("No plugins available for NIXL"), ["NIXL_PLUGIN_DIR"]),
+        (
+            RuntimeError(UCX_IBV_REG_MR_LOG.split("ERROR ")[1]),
+            ["nvidia_peermem", "UCX_TLS"],
+        ),
+        (RuntimeError("no DRAM for you"), []),
     ],
-    ids=["port", "no-ucx", "gpudirect", "ucx-start"],
+    ids=["port", "no-ucx", "gpudirect", "unknown"],
 )
-def test_every_remedy_is_one_line_naming_the_setting(remedy, names):
-    """A remedy is one clause appended to the error, naming what to change."""
-    assert remedy.startswith("; ") and "\n" not in remedy
-    assert all(name in remedy for name in names)
+def test_a_failed_start_is_one_line_with_the_cause_then_the_fix(exc, names):
+    """Through the adapter's own startup path (a factory that raises): one line,
+    the failure's own text, then the remedy naming what to change (none for a
+    failure nobody knows the fix of)."""
+
+    def failing(callbacks: Any) -> Any:
+        raise exc
+
+    with pytest.raises(KVCRUnavailableError) as info:
+        KVCRAdapter(failing, AdapterLimits(1, 1, STARTUP_TIMEOUT_S), name="fails")
+    message = str(info.value)
+    assert_one_line(message)
+    cause, remedy = split_startup_error(message)
+    assert cause == str(exc)
+    assert remedy == kvcr_factory.startup_remedy(exc)
+    assert bool(remedy) == bool(names)
+    assert all(name in remedy for name in names), remedy
+    assert info.value.__cause__ is exc
+
+
+if __name__ == "__main__":  # run_child: one KVCR start in a fresh interpreter
+    child_main()

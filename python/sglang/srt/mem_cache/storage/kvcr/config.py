@@ -124,11 +124,14 @@ class KVCRLinkerConfig:
             "How many KVCR DRAM shares a worker may quarantine (a flush whose old "
             "KVCR could not prove quiescence, e.g. a dead peer's transfer, keeps "
             "its DRAM locked and allocates a fresh share). Once reached, the "
-            "worker stops taking peer fetches (hints are ignored and counted) so "
-            "no later flush quarantines more. Each flush asks quarantined cores "
+            "worker stops taking peer fetches (hints are ignored and counted); a "
+            "further unclean flush past the bound gives the new KVCR one page per "
+            "pool and the linker restores and stores nothing (its requests "
+            "recompute; restore_disabled misses), so host memory never exceeds "
+            "(max + 1) shares. Each flush asks quarantined cores "
             "whether they have proven quiescent since (a dead peer restarted): "
             "their DRAM, still locked, is then reused, and peer fetches resume "
-            "once under the bound. 0 stops peer fetches at the first."
+            "once under the bound. 0 stops peer fetches for good at the first."
         ),
     )
     owner_wait_timeout_s: float = dataclasses.field(

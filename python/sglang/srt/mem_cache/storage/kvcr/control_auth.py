@@ -173,6 +173,8 @@ class InboundGuard:
         import zmq
 
         sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
+        # Without a handler answering, refuse instead of letting everyone in.
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         if self.curve:
             sock.setsockopt(zmq.CURVE_SERVER, 1)
             sock.setsockopt(zmq.CURVE_SECRETKEY, self._secret)

@@ -66,6 +66,8 @@ WEIGHT_TARGETS: tuple[str, ...] = tuple(
         "update_weights_from_ipc",
         "begin_weight_update",
         "end_weight_update",  # P2P/RDMA writes land between begin and end
+        "check_weights",  # action="reset_tensors" randomizes every parameter
+        "resume_memory_occupation",  # weights without a CPU backup: undefined
     )
 )
 _PD_PREFILL = (
@@ -376,6 +378,8 @@ def _around_weight_update(
     if backend is None:
         return original(manager, recv_req, *args, **kw)
     source = original.__name__.removeprefix("update_weights_from_")
+    if not _changes_weights(source, manager, recv_req):
+        return original(manager, recv_req, *args, **kw)
     changing = linker_hook(backend, "weights_changing")
     if source == "disk":
         changing(source, recv_req.model_path, recv_req.load_format)
@@ -385,6 +389,23 @@ def _around_weight_update(
     if getattr(result, "success", True) is False:
         changing(f"{source} (failed)")
     return result
+
+
+def _changes_weights(source: str, manager: Any, recv_req: Any) -> bool:
+    """Whether this weight-manager call replaces the served weights."""
+    if source == "end_weight_update":
+        # Loads inside the session flushed (and so re-keyed) already; only a
+        # session without one (P2P/RDMA writes) changed the weights unseen.
+        session = getattr(manager, "_session", None)
+        return session is not None and not getattr(session, "loaded_weights", False)
+    if source == "check_weights":
+        return getattr(recv_req, "action", None) == "reset_tensors"
+    if source == "resume_memory_occupation":
+        from sglang.srt.constants import GPU_MEMORY_TYPE_WEIGHTS
+
+        tags = getattr(recv_req, "tags", None)
+        return not tags or GPU_MEMORY_TYPE_WEIGHTS in tags
+    return True
 
 
 def _around_commit_completed_offloads(
@@ -450,23 +471,29 @@ def ensure_python_tree_core() -> None:
 
 
 def attention_replica(server_args: Any) -> tuple[int, int]:
-    """(replica, replicas) of this scheduler process: its attention-DP rank and
-    size with DP attention, else the DP controller's replica index and
-    ``--dp-size``. Refuses when DP is on and SGLang did not publish the rank."""
+    """(replica, replicas) of this scheduler process across the server: the DP
+    controller's replica ``d`` of ``--dp-size`` times its attention-DP rank ``a``
+    of ``--attn-dp-size`` (``--dp-size N --enable-dp-attention`` is resolved
+    into the latter), ``d * attn_dp_size + a``. Refuses when DP is on and
+    SGLang did not publish the rank."""
     dp_size = int(getattr(server_args, "dp_size", 1) or 1)
-    if dp_size == 1:
+    attn_dp = int(getattr(server_args, "attn_dp_size", 1) or 1)
+    if getattr(server_args, "enable_dp_attention", False):
+        attn_dp = max(attn_dp, dp_size)  # the deprecated spelling, unresolved
+        dp_size = 1
+    if dp_size == 1 and attn_dp == 1:
         return 0, 1
     from sglang.srt.runtime_context import get_parallel
 
     parallel = get_parallel()
     try:
-        if getattr(server_args, "enable_dp_attention", False):
-            return int(parallel.attn_dp_rank), int(parallel.attn_dp_size)
-        dp_rank = parallel.dp_rank
+        attn_rank = int(parallel.attn_dp_rank) if attn_dp > 1 else 0
+        dp_rank = parallel.dp_rank if dp_size > 1 else 0
     except (AttributeError, RuntimeError, ValueError) as exc:
         raise KVCRUnavailableError(
-            f"--dp-size {dp_size}: SGLang did not publish this process's DP rank "
-            f"({exc}); run the KVCR linker with --dp-size 1"
+            f"--dp-size {dp_size} / --attn-dp-size {attn_dp}: SGLang did not "
+            f"publish this process's DP rank ({exc}); run the KVCR linker with "
+            "--dp-size 1 and --attn-dp-size 1"
         ) from exc
     if dp_rank is None:
         dp_rank = os.environ.get("SGLANG_DP_RANK")
@@ -475,4 +502,4 @@ def attention_replica(server_args: Any) -> tuple[int, int]:
             f"--dp-size {dp_size}: this process's DP rank is unknown; run the "
             "KVCR linker with --dp-size 1"
         )
-    return int(dp_rank), dp_size
+    return int(dp_rank) * attn_dp + attn_rank, dp_size * attn_dp

@@ -17,23 +17,42 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
-from sglang.srt.mem_cache.storage.kvcr import control_auth, kvcr_patches
+from sglang.srt.mem_cache.storage.kvcr import kvcr_patches
 from sglang.srt.mem_cache.storage.kvcr.errors import (
     KVCRAdapterFailed,
     KVCRTimeoutError,
     KVCRUnavailableError,
 )
+from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import (
+    BUDGET_FIELDS,
+    AdapterLimits,
+    AdapterStats,
+    Budget,
+    Callbacks,
+    Deposit,
+    DiscardHint,
+    EntryResult,
+    EntryStatus,
+    Fetch,
+    InventoryChange,
+    NoPinFramework,
+    OpDone,
+    OpKind,
+    Release,
+    budget_of,
+)
+from sglang.srt.mem_cache.storage.kvcr.kvcr_factory import BuiltKVCR, startup_remedy
+from sglang.srt.mem_cache.storage.kvcr.quarantine import RetainedCore
 
 logger = logging.getLogger(__name__)
 
@@ -47,72 +66,6 @@ _IDLE_POLL_S = 0.05
 _MAX_COMMANDS_PER_TURN = 64
 
 
-class OpKind(enum.Enum):
-    DEPOSIT = "deposit"
-    FETCH = "fetch"
-
-
-class Budget(enum.Enum):
-    """Which in-flight byte bound an operation is charged to."""
-
-    OFFLOAD = "offload"
-    PREPARE = "prepare"
-
-
-class EntryStatus(enum.Enum):
-    SUCCESS = "success"
-    FAILED = "failed"
-    DROPPED = "dropped"
-    REFUSED = "refused"  # over budget, never reached KVCR
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class EntryResult:
-    status: EntryStatus
-    slots: tuple[Any, ...] | None = None  # kvcr MemoryRefs into KVCR DRAM
-    claim: int | None = None  # release handle; must be released exactly once
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class OpDone:
-    op_id: int
-    kind: OpKind
-    entries: Mapping[bytes, EntryResult]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class InventoryChange:
-    keys: tuple[bytes, ...]
-    removed: bool
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Deposit:
-    op_id: int
-    blocks: Mapping[bytes, list[Any]]
-    nbytes: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Fetch:
-    op_id: int
-    keys: tuple[bytes, ...]
-    request_id: str
-    expected_layout: tuple[str, ...]
-    nbytes: int
-    hint: Mapping[str, Any] | None = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Release:
-    claims: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class DiscardHint:
-    request_id: str
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Call:
     fn: Callable[[Any], Any]
@@ -123,38 +76,6 @@ Command = Deposit | Fetch | Release | DiscardHint | _Call
 
 
 @dataclasses.dataclass(slots=True)
-class AdapterStats:
-    deposits: int = 0
-    fetches: int = 0
-    refused_offload: int = 0
-    refused_prepare: int = 0
-    claims_released: int = 0
-    resilience_events: int = 0
-    inflight_offload_bytes: int = 0
-    inflight_prepare_bytes: int = 0
-    peak_offload_bytes: int = 0
-    peak_prepare_bytes: int = 0
-
-
-# Budget -> AdapterStats fields: (in flight, peak, refused count).
-_BUDGET_FIELDS = {
-    Budget.OFFLOAD: ("inflight_offload_bytes", "peak_offload_bytes", "refused_offload"),
-    Budget.PREPARE: ("inflight_prepare_bytes", "peak_prepare_bytes", "refused_prepare"),
-}
-
-
-def _budget(command: Deposit | Fetch) -> Budget:
-    return Budget.OFFLOAD if isinstance(command, Deposit) else Budget.PREPARE
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class AdapterLimits:
-    max_inflight_offload_bytes: int
-    max_inflight_prepare_bytes: int
-    wait_timeout_s: float
-
-
-@dataclasses.dataclass(slots=True)
 class _Inflight:
     kind: OpKind
     op_id: int
@@ -162,39 +83,13 @@ class _Inflight:
     nbytes: int
 
 
-class _NoPinFramework:
-    """Declines every source pin at once: this linker serves peers only from KVCR
-    DRAM, never by pinning device pages, so a stale hint fails fast per key."""
+class AdapterState(enum.Enum):
+    """Lifecycle of one adapter: commands are taken only while RUNNING."""
 
-    def __init__(self) -> None:
-        self._ids = itertools.count(1)
-        self._answers: list[tuple[int, None]] = []
-        self.requests = 0  # pins asked for so far (each answered at its next poll)
-
-    def request_pin(self, keys: Iterable[bytes]) -> int:
-        pin_id = next(self._ids)
-        self._answers.append((pin_id, None))
-        self.requests += 1
-        return pin_id
-
-    def poll_pin_results(self) -> list[tuple[int, None]]:
-        answers, self._answers = self._answers, []
-        return answers
-
-    @staticmethod
-    def release_pin(handle: object) -> bool:
-        return True
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Callbacks:
-    """What the adapter hands to the KVCR factory (all run on the owner thread)."""
-
-    request_pin: Callable[[Iterable[bytes]], int]
-    poll_pin_results: Callable[[], list[tuple[int, None]]]
-    release_pin: Callable[[object], bool]
-    inventory_sink: Callable[[Any], None]
-    on_resilience_event: Callable[[Exception], None]
+    STARTING = "starting"
+    RUNNING = "running"
+    CLOSED = "closed"  # closed normally
+    FAILED = "failed"  # the owner thread or startup failed (``_failure`` says why)
 
 
 class KVCRAdapter:
@@ -211,7 +106,8 @@ class KVCRAdapter:
         self._commands: queue.SimpleQueue[Command | object] = queue.SimpleQueue()
         self._results: queue.SimpleQueue[OpDone | InventoryChange] = queue.SimpleQueue()
         self._op_ids = itertools.count(1)
-        self._failure: BaseException | None = None
+        self.state = AdapterState.STARTING
+        self._failure: BaseException | None = None  # why it FAILED
         self._stats = AdapterStats()
         self._stats_lock = threading.Lock()
         # Caller-thread state: hints whose fetch was refused, by request id.
@@ -219,12 +115,10 @@ class KVCRAdapter:
         # Owner-thread state.
         self._kvcr: Any = None
         self._inflight: dict[int, _Inflight] = {}
-        self._pins = _NoPinFramework()
+        self._pins = NoPinFramework()
         self.endpoint = ""  # peer control endpoint, set once KVCR is up
         self._clean_close = True
-        self._retained: Any = None  # the KVCR an unclean close left running
-        self._reclaimer: threading.Thread | None = None
-        self._reclaimed = threading.Event()
+        self.retained: RetainedCore | None = None  # what an unclean close left
         started: Future[None] = Future()
         self._thread = threading.Thread(
             target=self._run,
@@ -236,14 +130,14 @@ class KVCRAdapter:
         try:
             started.result(timeout=limits.wait_timeout_s)
         except FutureTimeout:
-            self._failure = KVCRTimeoutError("KVCR startup timed out")
+            self._fail(KVCRTimeoutError("KVCR startup timed out"))
             raise KVCRUnavailableError(
                 f"KVCR did not start within {limits.wait_timeout_s:.0f} s "
                 "(owner_wait_timeout_s); check host DRAM size and UCX settings"
             ) from None
         except Exception as exc:
             raise KVCRUnavailableError(
-                f"KVCR failed to start: {exc}{_startup_remedy(exc)}"
+                f"KVCR failed to start: {exc}{startup_remedy(exc)}"
             ) from exc
 
     # ---- scheduler-thread API -------------------------------------------------
@@ -261,7 +155,7 @@ class KVCRAdapter:
         if isinstance(command, Fetch):
             command = self._carry_hint(command)
         if isinstance(command, (Deposit, Fetch)) and not self._charge(
-            _budget(command), command.nbytes
+            budget_of(command), command.nbytes
         ):
             if isinstance(command, Fetch) and command.hint is not None:
                 # Not lost with its fetch: the request's next fetch carries it.
@@ -339,7 +233,7 @@ class KVCRAdapter:
 
     def claims_outstanding(self) -> int:
         """Residency claims this KVCR holds (0 once closed)."""
-        if self._failure is not None:
+        if self.state is not AdapterState.RUNNING:
             return 0
         return int(self.call(kvcr_patches.public_claims))
 
@@ -359,50 +253,24 @@ class KVCRAdapter:
             self._thread.join(timeout)
         if self._thread.is_alive():
             raise KVCRTimeoutError(f"KVCR owner thread still alive after {timeout} s")
-        if self._failure is not None and not isinstance(self._failure, _ClosedError):
+        if self.state is AdapterState.FAILED:
             raise KVCRAdapterFailed("KVCR owner thread failed") from self._failure
         return self._clean_close
 
     def reclaim(self, timeout_s: float) -> bool:
         """After an unclean close: whether the retained KVCR has since proven
-        quiescent (a dead peer's operation resolved, e.g. it restarted on the
-        same endpoint) and closed, so the DRAM it held is idle. One thread at a
-        time is the retained KVCR's only caller; waits at most ``timeout_s``."""
-        kv = self._retained
-        if kv is None:
+        quiescent and closed, so the DRAM it held is idle (quarantine)."""
+        if self.retained is None:
             return self._clean_close
-        attempt = self._reclaimer
-        if attempt is None or (not attempt.is_alive() and not self._reclaimed.is_set()):
-            attempt = threading.Thread(
-                target=self._reclaim_main,
-                args=(kv,),
-                name=f"{self._thread.name}-reclaim",
-                daemon=True,
-            )
-            self._reclaimer = attempt
-            attempt.start()
-        attempt.join(timeout_s)
-        if not self._reclaimed.is_set():
+        if not self.retained.reclaim(timeout_s):
             return False
-        self._retained, self._clean_close = None, True
-        for i, retained in enumerate(_RETAINED):
-            if retained is kv:
-                del _RETAINED[i]
-                break
+        self.retained, self._clean_close = None, True
         return True
-
-    def _reclaim_main(self, kv: Any) -> None:
-        try:
-            if kvcr_patches.core_is_quiescent(kv):
-                kv.close()
-                self._reclaimed.set()
-        except Exception:
-            logger.debug("KVCR reclaim attempt failed", exc_info=True)
 
     # ---- budget ------------------------------------------------------------------
 
     def _charge(self, budget: Budget, nbytes: int) -> bool:
-        inflight, peak, refused = _BUDGET_FIELDS[budget]
+        inflight, peak, refused = BUDGET_FIELDS[budget]
         limit = (
             self._limits.max_inflight_offload_bytes
             if budget is Budget.OFFLOAD
@@ -423,23 +291,26 @@ class KVCRAdapter:
             return True
 
     def _uncharge(self, budget: Budget, nbytes: int) -> None:
-        inflight = _BUDGET_FIELDS[budget][0]
+        inflight = BUDGET_FIELDS[budget][0]
         with self._stats_lock:
             setattr(self._stats, inflight, getattr(self._stats, inflight) - nbytes)
 
     def _raise_if_failed(self) -> None:
-        if self._failure is not None:
-            if isinstance(self._failure, _ClosedError):
-                raise KVCRAdapterFailed("KVCR adapter is closed")
+        if self.state is AdapterState.CLOSED:
+            raise KVCRAdapterFailed("KVCR adapter is closed")
+        if self.state is AdapterState.FAILED:
             raise KVCRAdapterFailed(
                 f"KVCR owner thread failed: {self._failure!r}"
             ) from self._failure
+
+    def _fail(self, exc: BaseException) -> None:
+        self._failure, self.state = exc, AdapterState.FAILED
 
     # ---- owner thread ---------------------------------------------------------
 
     def _run(self, factory: Callable[[Callbacks], Any], started: Future[None]) -> None:
         try:
-            self._kvcr = factory(
+            built = factory(
                 Callbacks(
                     request_pin=self._pins.request_pin,
                     poll_pin_results=self._pins.poll_pin_results,
@@ -449,16 +320,24 @@ class KVCRAdapter:
                 )
             )
         except BaseException as exc:
-            self._failure = exc
+            self._fail(exc)
             started.set_exception(exc)
             return
-        self.endpoint = str(getattr(factory, "endpoint", ""))
+        if isinstance(built, BuiltKVCR):
+            self._kvcr, self.endpoint = built.kvcr, built.endpoint
+        else:  # a stand-in factory (tests) hands the KVCR alone
+            self._kvcr = built
+        if self.state is not AdapterState.STARTING:
+            # Startup timed out meanwhile: nobody will use or close this KVCR.
+            self._shutdown()
+            return
+        self.state = AdapterState.RUNNING
         started.set_result(None)
         try:
             self._loop()
         except BaseException as exc:
             logger.exception("KVCR owner thread failed")
-            self._failure = exc
+            self._fail(exc)
         finally:
             self._shutdown()
 
@@ -568,8 +447,8 @@ class KVCRAdapter:
 
     def _shutdown(self) -> None:
         kv, self._kvcr = self._kvcr, None
-        if self._failure is None:
-            self._failure = _ClosedError()
+        if self.state is not AdapterState.FAILED:
+            self.state = AdapterState.CLOSED
         # Answer callers still waiting so nobody blocks past its own deadline.
         while True:
             try:
@@ -587,179 +466,12 @@ class KVCRAdapter:
             except Exception:
                 # kvcr keeps backend resources alive when a peer left an operation
                 # unresolved; they stay referenced until the process exits.
-                _RETAINED.append(kv)
-                self._retained = kv
+                self.retained = RetainedCore(kv, self._thread.name)
                 self._clean_close = False
                 logger.exception("KVCR close was not clean; resources retained")
-
-
-# One line each: what failed, and the setting that fixes it.
-_REMEDY_PORT = (
-    "; control_port (+ attention rank) is already in use on this host: give each "
-    "worker a free range of control_port values, or set control_port to 0"
-)
-_REMEDY_NO_UCX = (
-    "; NIXL has no usable UCX backend (its plugin is missing or failed to load): "
-    "unset NIXL_PLUGIN_DIR or point it at nixl's plugins, and reinstall "
-    "nixl==1.5.0 (nixl-cu12/nixl-cu13)"
-)
-_REMEDY_GPUDIRECT = (
-    "; UCX could not register memory for RDMA (ibv_reg_mr: Bad address in the UCX "
-    "log means no GPUDirect RDMA): load nvidia_peermem, or for same-node use set "
-    "UCX_TLS=tcp,cuda_copy,cuda_ipc"
-)
-_REMEDY_UCX_START = (
-    "; the NIXL UCX backend failed to start (the UCX ERROR lines say why): "
-    "UCX_TLS must include tcp, and UCX_NET_DEVICES must name existing devices"
-)
-
-
-def _startup_remedy(exc: BaseException) -> str:
-    """A one-line fix for the startup failures whose cause lies outside this package.
-
-    NIXL reports most of them as a bare status (``NIXL_ERR_BACKEND``), so the nixl
-    call that raised it (``register_memory`` or ``create_backend``, read from the
-    traceback) tells a missing plugin, a failed registration and a bad UCX
-    setting apart; any other failure gets no remedy.
-    """
-    message = str(exc)
-    nixl_calls = _nixl_calls(exc)
-    if "Address already in use" in message:
-        return _REMEDY_PORT
-    if "No plugins available for NIXL" in message or (
-        "NIXL_ERR_NOT_FOUND" in message and "register_memory" in nixl_calls
-    ):
-        return _REMEDY_NO_UCX
-    if ("ibv_reg_mr" in message and "Bad address" in message) or (
-        "NIXL_ERR_BACKEND" in message and "register_memory" in nixl_calls
-    ):
-        return _REMEDY_GPUDIRECT
-    if "NIXL_ERR_BACKEND" in message and "create_backend" in nixl_calls:
-        return _REMEDY_UCX_START
-    return ""
-
-
-def _nixl_calls(exc: BaseException) -> set[str]:
-    """Names of the nixl functions on the tracebacks of ``exc`` and its causes."""
-    names: set[str] = set()
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        tb = cause.__traceback__
-        while tb is not None:
-            if str(tb.tb_frame.f_globals.get("__name__", "")).startswith("nixl"):
-                names.add(tb.tb_frame.f_code.co_name)
-            tb = tb.tb_next
-        cause = cause.__cause__ or cause.__context__
-    return names
-
-
-class _ClosedError(Exception):
-    """Marks a normally closed adapter (not a failure)."""
-
-
-_RETAINED: list[Any] = []
 
 
 def _entry(result: Any) -> EntryResult:
     status = EntryStatus[result.status.name]
     slots = tuple(result.descriptors) if result.descriptors else None
     return EntryResult(status, slots, result.release_handle)
-
-
-def make_kvcr_factory(
-    *,
-    agent_name: str,
-    pool_layouts: Sequence[tuple[str, int]],
-    framework_regions: Sequence[Any],
-    local_dram_pools: Sequence[tuple[str, int, int]],
-    key_adapter: Any,
-    control_bind_host: str,
-    control_advertise_host: str,
-    control_port: int,
-    operation_timeout_ms: int,
-    abandon_timeout_ms: int,
-    eviction_policy: str,
-    nixl_progress_thread: bool,
-    progress_idle_ms: int = 0,
-    inbound_guard: Any = None,
-) -> Callable[[Callbacks], Any]:
-    """A factory that builds the real KVCR on the owner thread; with an
-    ``inbound_guard`` (``control_auth.InboundGuard``) its control channel checks
-    who connects."""
-
-    def build(callbacks: Callbacks) -> Any:
-        kvcr_patches.configure(progress_idle_ms)
-        from kvcr import KVCR, KVCRBindings
-        from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions
-        from kvcr.control_channels import ZmqPeerControlChannel
-        from kvcr.policy import FIFOPolicy, LRUPolicy
-
-        channel_cls: Any = ZmqPeerControlChannel
-        if inbound_guard is not None:
-            channel_cls = functools.partial(
-                control_auth.guarded_channel_class(), guard=inbound_guard
-            )
-        if control_port:
-            control = channel_cls(
-                control_bind_host, control_port, control_advertise_host
-            )
-        else:
-            control = _channel_on_own_port(
-                channel_cls, control_bind_host, control_advertise_host
-            )
-        build.endpoint = str(control.endpoint)  # type: ignore[attr-defined]
-        policy = LRUPolicy() if eviction_policy == "lru" else FIFOPolicy()
-        try:
-            with kvcr_patches.progress_thread_setting(nixl_progress_thread):
-                return KVCR(
-                    KVCRConfig(
-                        nixl_agent_name=agent_name,
-                        pool_layouts=list(pool_layouts),
-                        operation_timeout_ms=operation_timeout_ms,
-                        abandon_timeout_ms=abandon_timeout_ms,
-                        nixl_listen_port=0,
-                    ),
-                    KVCRBindings(
-                        request_pin=callbacks.request_pin,
-                        poll_pin_results=callbacks.poll_pin_results,
-                        release_pin=callbacks.release_pin,
-                        framework_control=control,
-                        key_adapter=key_adapter,
-                        inventory_sink=callbacks.inventory_sink,
-                        policy=policy,
-                        on_resilience_event=callbacks.on_resilience_event,
-                    ),
-                    KVCRBackendConfigs(
-                        framework_regions=list(framework_regions),
-                        local_dram=LocalDramOptions(pools=list(local_dram_pools)),
-                    ),
-                )
-        except BaseException:
-            close = getattr(control, "close", None)
-            if close is not None:
-                close()
-            raise
-
-    return build
-
-
-def _channel_on_own_port(channel_cls: Any, bind_host: str, advertise_host: str) -> Any:
-    """A control channel on a port the OS picks, bound before anyone can take it.
-
-    Picking a free port, closing it and letting the channel bind it later races
-    with every other process doing the same (KVCR startup then fails with
-    "Address already in use"); the channel adopts this listener instead.
-    """
-    import socket
-
-    listener = socket.create_server((bind_host, 0))
-    try:
-        channel = channel_cls(bind_host, int(listener.getsockname()[1]), advertise_host)
-        channel.adopt_listener(listener.fileno())
-    except BaseException:
-        listener.close()
-        raise
-    listener.detach()  # the channel owns the descriptor now
-    return channel

@@ -43,8 +43,8 @@ from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import (
     KVCRAdapter,
     OpKind,
     Release,
-    make_kvcr_factory,
 )
+from sglang.srt.mem_cache.storage.kvcr.kvcr_factory import make_kvcr_factory
 from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
     LinkerRequestContext,
     PreparationHandle,
@@ -59,6 +59,7 @@ from sglang.srt.mem_cache.storage.kvcr.restore import Restorer, plan_transfers
 from sglang.srt.mem_cache.storage.kvcr.router_hint import (
     EndpointAllowlist,
     RouterHintParser,
+    own_endpoints,
     request_hint,
 )
 from sglang.srt.mem_cache.storage.kvcr.stored_marks import StoredPages
@@ -165,7 +166,11 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self._agent = f"kvcr-{socket.gethostname()}-{os.getpid()}-{label}"
         self._agent += f"-{next(_INCARNATIONS)}"
         factory = make_kvcr_factory(agent_name=self._agent, **self._factory_args)
-        return KVCRAdapter(factory, self._limits, name=f"kvcr-{label}")
+        adapter = KVCRAdapter(factory, self._limits, name=f"kvcr-{label}")
+        cfg = self.config
+        hosts = (cfg.control_bind_host, cfg.advertise_host)
+        self._own_endpoints = own_endpoints(adapter.endpoint, hosts)
+        return adapter
 
     @property
     def endpoint(self) -> str:
@@ -188,7 +193,9 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         clean = old.close() and loads_quiet
         self.offloader.reset(staging_quiet)
         self.preparations.reset()
-        if self.dram.flush(old, clean, timeout):
+        # A copy still running past the deadline may read the old DRAM however
+        # cleanly KVCR closed: that share is never reclaimed.
+        if self.dram.flush(old, clean, timeout, reclaimable=loads_quiet):
             self.restorer.storage = self.dram.storage
             self._factory_args["local_dram_pools"] = self.layout.local_dram_regions(
                 list(self.dram.storage.values())
@@ -233,7 +240,10 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self._log_stats(force=True)
         staging = self.offloader.staging
         extra = list(staging.buffers.values()) if staging is not None else []
-        self.dram.close(self._adapter.close() and stopped, extra)
+        quiet = self._adapter.close() and stopped
+        if quiet:
+            self.restorer.close_span()
+        self.dram.close(quiet, extra)
 
     def is_quiescent(self) -> bool:
         """Nothing in flight: no claims held, no restore batch, no offload."""
@@ -282,8 +292,9 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             self._hints,
             ctx,
             page_hashes,
-            self.endpoint,
+            self._own_endpoints,
             self.dram.peer_fetches_off,
+            self.placement.multi_node,
             self.stats,
         )
         commands = self.preparations.prepare(
@@ -293,7 +304,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             self.residency,
             self.layout,
             self.config,
-            self.weights.pending,
+            self.weights.pending or self.dram.disabled,
             self._adapter.next_op_id,
         )
         if commands:
@@ -337,7 +348,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         if self.weights.pending:  # KV of other weights
             self.stats.refused_weights_changed += 1
             return []
-        if self.restorer.paused:
+        if self.restorer.paused or self.dram.disabled:
             self.stats.miss_restore_disabled += 1
             return []
         window = window_pages(transfers, len(page_hashes))
@@ -354,7 +365,9 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             return False
         # Queued regardless (the answer depends on the transfers only, so every
         # rank agrees); a missing claim fails the job and the wrapper aborts it.
-        self.restorer.queue(job)
+        replaced = self.restorer.queue(job)
+        if replaced:
+            self._adapter.submit(Release(tuple(replaced)))
         self.stats.loads += 1
         self.stats.load_pages += len(kv_keys(transfers))
         if not job.complete:
@@ -388,9 +401,13 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
     def offload(
         self, transfers: list[PoolTransfer], session_id: str | None = None
     ) -> bool:
-        events = tuple(self.record_offload_ready()) if self._is_cuda else ()
-        refuse = self.weights.pending  # would be keyed as old weights
-        self.offloader.offload(transfers, self._adapter, self._agent, events, refuse)
+        def ready() -> tuple[Any, ...]:
+            return tuple(self.record_offload_ready()) if self._is_cuda else ()
+
+        # Pages of new weights would be keyed as old ones; a disabled linker
+        # has no DRAM to store into.
+        refuse = self.weights.pending or self.dram.disabled
+        self.offloader.offload(transfers, self._adapter, self._agent, ready, refuse)
         return True
 
     def num_completed_offloads(self) -> int:

@@ -147,7 +147,7 @@ def build_resources(
     }
     memory = HostMemory(pin=device.is_cuda)
     try:
-        dram = KVCRDram(memory, plan.pools, cfg.max_quarantined_cores)
+        dram = KVCRDram(memory, plan, cfg.max_quarantined_cores)
         span = SpanRestore(device.device, memory) if device.is_cuda else None
         staging = None
         path = cfg.offload_path

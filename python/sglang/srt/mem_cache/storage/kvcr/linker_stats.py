@@ -37,6 +37,7 @@ class LinkerStats:
     restore_copy_failures: int = 0
     hints_self: int = 0  # hints naming this worker: served from local residency
     hints_quarantine_off: int = 0  # hints ignored: peer fetches off (quarantine)
+    hints_multinode_off: int = 0  # hints ignored: attention ranks span nodes
     offloaded_bytes: int = 0
     restored_bytes: int = 0
     prepare_ms_total: float = 0.0
@@ -91,6 +92,7 @@ def snapshot(
         "restore_copy_failures": s.restore_copy_failures,
         "hints_self": s.hints_self,
         "hints_quarantine_off": s.hints_quarantine_off,
+        "hints_multinode_off": s.hints_multinode_off,
         "peer_fetches_off": int(g.peer_fetches_off),
         "weights_changed_misses": s.refused_weights_changed,
         "offloaded_bytes": s.offloaded_bytes,

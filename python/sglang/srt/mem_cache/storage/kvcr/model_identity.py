@@ -216,7 +216,43 @@ def model_settings(server_args: Any) -> tuple[tuple[str, str], ...]:
         getattr(server_args, "quantization_param_path", None)
     )
     values["load_format"] = _text(getattr(server_args, "load_format", None)) or "auto"
+    values["lora_adapters"] = lora_identity(getattr(server_args, "lora_paths", None))
     return tuple(sorted(values.items()))
+
+
+def lora_identity(lora_paths: Any) -> str:
+    """The content of every adapter given at start-up (``--lora-paths``).
+
+    Their ids are derived from name and path alone, identical on every worker,
+    and a request's pages are keyed by that id: two workers with different
+    weights under one adapter name and path must not share. (Adapters loaded at
+    run time get random ids and never share.)"""
+    if not lora_paths:
+        return ""
+    items = lora_paths.items() if isinstance(lora_paths, dict) else lora_paths
+    adapters = []
+    for item in items:
+        if isinstance(item, tuple):
+            name, path = item
+        elif isinstance(item, dict):
+            name, path = item.get("lora_name"), item.get("lora_path")
+        elif isinstance(item, str):
+            name, _, path = item.partition("=") if "=" in item else (item, "", item)
+        else:  # a LoRARef
+            name, path = (
+                getattr(item, "lora_name", None),
+                getattr(item, "lora_path", None),
+            )
+        path = _text(path)
+        config = Path(os.path.expanduser(path)) / "adapter_config.json"
+        adapters.append(
+            [
+                _text(name),
+                weights_fingerprint(path, "", "auto"),
+                _sha(config.read_bytes()) if config.is_file() else "",
+            ]
+        )
+    return _sha(json.dumps(sorted(adapters)).encode())
 
 
 def draft_identity(server_args: Any) -> str:

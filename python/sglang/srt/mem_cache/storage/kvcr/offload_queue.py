@@ -112,6 +112,11 @@ class OffloadQueue:
     def has_deferred(self) -> bool:
         return bool(self._deferred)
 
+    @property
+    def deferred_count(self) -> int:
+        """Direct-path offloads still waiting for their fences."""
+        return len(self._deferred)
+
     def take_ready(self, now: float) -> list[DeferredOffload]:
         """The leading deferred offloads whose fences completed, in order; one
         still pending past its deadline fails in place (and is taken)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
@@ -67,11 +68,13 @@ class Offloader:
         transfers: list[PoolTransfer],
         adapter: Any,
         agent: str,
-        ready_events: tuple[Any, ...],
+        ready_events: Callable[[], tuple[Any, ...]],
         refuse: bool,
     ) -> None:
         """Queue one offload's result and start its deposits (``refuse``: store
-        nothing, e.g. while new weights are not keyed yet)."""
+        nothing, e.g. while new weights are not keyed yet). ``ready_events`` is
+        called once the page numbers are computed: its events then follow both
+        the batch that wrote the pages and the kernels that computed them."""
         record = self.queue.push()
         self.stats.offloads += 1
         try:
@@ -87,7 +90,7 @@ class Offloader:
         transfers: list[PoolTransfer],
         adapter: Any,
         agent: str,
-        ready_events: tuple[Any, ...],
+        ready_events: Callable[[], tuple[Any, ...]],
         refuse: bool,
     ) -> None:
         by_name = {t.name: t for t in transfers}
@@ -131,13 +134,14 @@ class Offloader:
             self._object_bytes[g.pool.name] * len(g.keys) for g in groups
         )
         self.stats.offload_pages += len(kv_keys)
+        events = ready_events()  # after every kernel above, on this stream
         staging = self.staging
         if staging is None:
             # Direct path: built and submitted by a later pump, once the events say
             # the pages are written and their numbers have reached the host (no
             # wait here: this thread has the batch's output to stream).
             host = [dataclasses.replace(g, pages=to_host(g.pages)) for g in groups]
-            fences = (*ready_events, *self._device.record_fences(None))
+            fences = (*events, *self._device.record_fences(None))
             deadline = time.monotonic() + self._timeout_s
             self.queue.defer(DeferredOffload(record, host, fences, deadline))
             return
@@ -167,7 +171,7 @@ class Offloader:
                     (g.pool.name, g.pages, tuple(slots[ordinal[h]] for h in g.keys))
                     for g in groups
                 ),
-                events=ready_events,
+                events=events,
                 # The incarnation these slots' deposit belongs to.
                 submit=lambda: adapter.submit(deposit),
                 fail=lambda exc: adapter.fail_op(deposit),
@@ -219,7 +223,7 @@ class Offloader:
         if staging_quiet:
             for slots in held:
                 self.staging.free(slots)
-        elif held:
+        else:  # a copy may still write them: never reuse
             logger.error("KVCR reset: stager busy; %d slot sets retired", len(held))
 
     def close(self, timeout_s: float) -> bool:

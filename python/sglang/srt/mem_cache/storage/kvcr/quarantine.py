@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from typing import Any
 
 import torch
 
+from sglang.srt.mem_cache.storage.kvcr import kvcr_patches
 from sglang.srt.mem_cache.storage.kvcr.host_memory import HostMemory
 
 logger = logging.getLogger(__name__)
@@ -28,6 +30,51 @@ logger = logging.getLogger(__name__)
 class _Held:
     core: Any  # a closed KVCRAdapter whose KVCR may still be running
     storage: dict[str, torch.Tensor]
+    reclaimable: bool = True  # False: something else (a copy) may still use it
+
+
+# KVCRs whose close failed stay referenced here until the process exits, or until
+# they prove quiescent and close (kvcr keeps backend resources alive meanwhile).
+_RETAINED: list[Any] = []
+
+
+class RetainedCore:
+    """A KVCR an unclean close left running, asked later whether it has proven
+    quiescent (a dead peer's operation resolved, e.g. it restarted on the same
+    endpoint). One thread at a time is its only caller; waits are bounded."""
+
+    def __init__(self, kv: Any, name: str) -> None:
+        self.kv = kv
+        self._name = name
+        self._attempt: threading.Thread | None = None
+        self._closed = threading.Event()
+        _RETAINED.append(kv)
+
+    def reclaim(self, timeout_s: float) -> bool:
+        """Whether it is now quiescent and closed (then it is let go)."""
+        attempt = self._attempt
+        if attempt is None or (not attempt.is_alive() and not self._closed.is_set()):
+            attempt = threading.Thread(
+                target=self._main, name=f"{self._name}-reclaim", daemon=True
+            )
+            self._attempt = attempt
+            attempt.start()
+        attempt.join(timeout_s)
+        if not self._closed.is_set():
+            return False
+        for i, retained in enumerate(_RETAINED):
+            if retained is self.kv:
+                del _RETAINED[i]
+                break
+        return True
+
+    def _main(self) -> None:
+        try:
+            if kvcr_patches.core_is_quiescent(self.kv):
+                self.kv.close()
+                self._closed.set()
+        except Exception:
+            logger.debug("KVCR reclaim attempt failed", exc_info=True)
 
 
 class Quarantine:
@@ -45,18 +92,21 @@ class Quarantine:
     def bytes(self) -> int:
         return sum(t.numel() for h in self._held for t in h.storage.values())
 
-    def add(self, core: Any, storage: dict[str, torch.Tensor]) -> None:
-        """Quarantine ``core`` (closed uncleanly) with the DRAM it may write."""
+    def add(
+        self, core: Any, storage: dict[str, torch.Tensor], reclaimable: bool = True
+    ) -> None:
+        """Quarantine ``core`` (closed uncleanly) with the DRAM it may write;
+        ``reclaimable=False`` when more than the core may still touch it."""
         for buf in storage.values():
             self._memory.quarantine(buf)
-        self._held.append(_Held(core, dict(storage)))
+        self._held.append(_Held(core, dict(storage), reclaimable))
 
     def reclaim(self, timeout_s: float) -> int:
         """Reuse the DRAM of every core that has proven quiescent since; returns
         how many cores were reclaimed (each waits at most ``timeout_s``)."""
         kept, reclaimed = [], 0
         for held in self._held:
-            if not held.core.reclaim(timeout_s):
+            if not held.reclaimable or not held.core.reclaim(timeout_s):
                 kept.append(held)
                 continue
             reclaimed += 1
@@ -83,15 +133,25 @@ class KVCRDram:
     ``max_cores`` quarantined cores, ``peer_fetches_off`` says peer fetches
     stop; it clears once reclaiming brings the count back under the bound."""
 
-    def __init__(self, memory: HostMemory, pools: Any, max_cores: int) -> None:
+    def __init__(self, memory: HostMemory, plan: Any, max_cores: int) -> None:
+        """``plan``: the rank's kvcr_layout.CapacityPlan."""
         self.memory = memory
-        self.storage = {pool.name: memory.alloc(pool.bytes) for pool in pools}
+        self.storage = {pool.name: memory.alloc(pool.bytes) for pool in plan.pools}
+        # One whole page of each pool (every part), what a disabled core gets.
+        self._page_bytes = {p.name: p.bytes // plan.pages for p in plan.pools}
+        self._share_bytes = {p.name: p.bytes for p in plan.pools}
         self.quarantine = Quarantine(memory)
         self.max_cores = max_cores
         self.peer_fetches_off = False
+        # Past the bound: KVCR keeps running on one page per pool, restoring and
+        # storing nothing, so no later flush can quarantine another share.
+        self.disabled = False
 
-    def flush(self, old_core: Any, clean: bool, timeout_s: float) -> bool:
-        """The core was closed (``clean``: provably quiescent); returns whether the
+    def flush(
+        self, old_core: Any, clean: bool, timeout_s: float, reclaimable: bool = True
+    ) -> bool:
+        """The core was closed (``clean``: provably quiescent; ``reclaimable``:
+        nothing but the core may still touch the DRAM); returns whether the
         storage was replaced (the next core must be given the new regions)."""
         if self.quarantine.cores and self.quarantine.reclaim(timeout_s):
             logger.info(
@@ -102,19 +162,41 @@ class KVCRDram:
         if replaced:
             # A transfer may still write the old DRAM: quarantine it with its core
             # and give the new KVCR other memory.
-            self.quarantine.add(old_core, self.storage)
+            self.quarantine.add(old_core, self.storage, reclaimable)
+            if self.quarantine.cores > self.max_cores and not self.disabled:
+                self.disabled = True
+                logger.error(
+                    "KVCR: more than max_quarantined_cores=%d DRAM shares "
+                    "quarantined; the KVCR linker restores and stores nothing "
+                    "until a flush finds them quiescent (this worker recomputes)",
+                    self.max_cores,
+                )
             self.storage = {
-                name: self.quarantine.take(name, t.numel())
+                name: self.quarantine.take(
+                    name, self._page_bytes[name] if self.disabled else t.numel()
+                )
                 for name, t in self.storage.items()
             }
             logger.error(
                 "KVCR reset: old core not quiescent; %d bytes quarantined",
                 self.quarantine.bytes(),
             )
+        elif self.disabled and self.quarantine.cores <= self.max_cores:
+            # Reclaimed back under the bound: a full share again.
+            for buf in self.storage.values():
+                self.memory.release(buf)
+            self.storage = {
+                name: self.quarantine.take(name, nbytes)
+                for name, nbytes in self._share_bytes.items()
+            }
+            self.disabled, replaced = False, True
+            logger.info("KVCR: quarantined DRAM reclaimed; the linker works again")
         else:
             for storage in self.storage.values():
                 storage.zero_()
-        over = self.quarantine.cores >= self.max_cores and self.quarantine.cores > 0
+        over = self.quarantine.cores >= self.max_cores and (
+            self.quarantine.cores > 0 or (self.max_cores == 0 and self.peer_fetches_off)
+        )  # 0: off for good at the first quarantine
         if over and not self.peer_fetches_off:
             logger.error(
                 "KVCR: %d bytes quarantined (max_quarantined_cores=%d reached); "

@@ -29,6 +29,7 @@ class RankPlacement:
     shard_size: int  # attention-TP size
     replica: int  # DP replica (attention-DP rank, or the DP controller's rank)
     ranks_on_node: int  # attention ranks (one KVCR each) this node runs
+    multi_node: bool = False  # the server's ranks span nodes (--nnodes > 1)
 
     @property
     def global_rank(self) -> int:
@@ -66,4 +67,6 @@ def placement_of(
         raise KVCRConfigError(
             f"{ranks_total} attention ranks do not split evenly over --nnodes {nnodes}"
         )
-    return RankPlacement(shard_rank, shard_size, replica, ranks_total // nnodes)
+    return RankPlacement(
+        shard_rank, shard_size, replica, ranks_total // nnodes, nnodes > 1
+    )

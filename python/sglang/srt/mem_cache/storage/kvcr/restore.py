@@ -178,8 +178,11 @@ class Restorer:
     def paused(self) -> bool:
         return time.monotonic() < self._paused_until
 
-    def queue(self, job: LoadJob) -> None:
+    def queue(self, job: LoadJob) -> list[int]:
+        """Queue ``job``; the claims of a job it replaces (to release)."""
+        old = self._queued.pop(job.rid, None)
         self._queued[job.rid] = job
+        return [] if old is None else old.claims
 
     def cancel(self, rid: str) -> list[int] | None:
         """Drop ``rid``'s queued job; the claims it held (None if none queued)."""
@@ -256,9 +259,13 @@ class Restorer:
         if self.thread.is_alive():
             logger.error("KVCR restore loader did not stop within %.1f s", timeout_s)
             return False
+        return True
+
+    def close_span(self) -> None:
+        """Unlock the span restorer's scratch: only once nothing can copy from it
+        (the caller knows the whole linker stopped cleanly)."""
         if self.span_restore is not None:
             self.span_restore.close()
-        return True
 
     # ---- loader thread (or inline on CPU) ------------------------------------------
 

@@ -309,18 +309,47 @@ def request_hint(
     parser: RouterHintParser,
     ctx: Any,
     page_hashes: list[str],
-    own_endpoint: str,
+    own_endpoints: frozenset[str],
     peer_fetches_off: bool,
+    multi_node: bool,
     stats: Any,
 ) -> RequestHint:
-    """``ctx``'s hint for this rank. A hint naming this very worker is local
-    residency (never a NIXL transfer to itself); none is taken while peer fetches
-    are off (``max_quarantined_cores``). Both are counted in ``stats``."""
+    """``ctx``'s hint for this rank. A hint naming this very worker (any of
+    ``own_endpoints``, normalized) is local residency, never a NIXL transfer to
+    itself; none is taken while peer fetches are off (``max_quarantined_cores``)
+    or when the server's attention ranks span nodes (a hint names one host).
+    Each is counted in ``stats``."""
     hint = parser.parse(ctx.kv_hints) if ctx.kv_hints is not None else None
-    if hint is not None and hint.source_endpoint == own_endpoint:
+    if hint is not None and normalize_endpoint(hint.source_endpoint) in own_endpoints:
         stats.hints_self += 1
+        hint = None
+    elif hint is not None and multi_node:
+        stats.hints_multinode_off += 1
         hint = None
     elif hint is not None and peer_fetches_off:
         stats.hints_quarantine_off += 1
         hint = None
     return RequestHint(hint, hinted_pages(hint, page_hashes, ctx.event_hashes))
+
+
+def normalize_endpoint(endpoint: str) -> str:
+    """``tcp://host:port`` in the canonical form hints are parsed into; the text
+    unchanged when it is not one."""
+    try:
+        host, port = _parse_endpoint(endpoint)
+    except _Reject:
+        return endpoint
+    return f"tcp://{host}:{port}"
+
+
+def own_endpoints(advertised: str, hosts: Iterable[str]) -> frozenset[str]:
+    """Every spelling of this rank's endpoint a router may use: the advertised
+    one and the same port on each of ``hosts`` (bind and advertise hosts; no
+    name is resolved), normalized (host names case-folded, addresses canonical)."""
+    port = advertised.rpartition(":")[2]
+    names = {normalize_endpoint(advertised)}
+    for host in hosts:
+        if host and host not in ("0.0.0.0", "::"):
+            wrapped = f"[{host}]" if ":" in host else host
+            names.add(normalize_endpoint(f"tcp://{wrapped}:{port}"))
+    return frozenset(names)

@@ -1,0 +1,148 @@
+"""The typed values exchanged with the owner-thread adapter (kvcr_adapter).
+
+Commands the scheduler thread enqueues (``Deposit``, ``Fetch``, ``Release``,
+``DiscardHint``), results it drains (``OpDone`` with one ``EntryResult`` per key,
+``InventoryChange``), the adapter's limits and counters, and the callbacks the
+KVCR factory receives. Frozen slotted dataclasses and enums only: no behaviour.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+
+class OpKind(enum.Enum):
+    DEPOSIT = "deposit"
+    FETCH = "fetch"
+
+
+class Budget(enum.Enum):
+    """Which in-flight byte bound an operation is charged to."""
+
+    OFFLOAD = "offload"
+    PREPARE = "prepare"
+
+
+class EntryStatus(enum.Enum):
+    SUCCESS = "success"
+    FAILED = "failed"
+    DROPPED = "dropped"
+    REFUSED = "refused"  # over budget, never reached KVCR
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EntryResult:
+    status: EntryStatus
+    slots: tuple[Any, ...] | None = None  # kvcr MemoryRefs into KVCR DRAM
+    claim: int | None = None  # release handle; must be released exactly once
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OpDone:
+    op_id: int
+    kind: OpKind
+    entries: Mapping[bytes, EntryResult]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class InventoryChange:
+    keys: tuple[bytes, ...]
+    removed: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Deposit:
+    op_id: int
+    blocks: Mapping[bytes, list[Any]]
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fetch:
+    op_id: int
+    keys: tuple[bytes, ...]
+    request_id: str
+    expected_layout: tuple[str, ...]
+    nbytes: int
+    hint: Mapping[str, Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Release:
+    claims: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DiscardHint:
+    request_id: str
+
+
+@dataclasses.dataclass(slots=True)
+class AdapterStats:
+    deposits: int = 0
+    fetches: int = 0
+    refused_offload: int = 0
+    refused_prepare: int = 0
+    claims_released: int = 0
+    resilience_events: int = 0
+    inflight_offload_bytes: int = 0
+    inflight_prepare_bytes: int = 0
+    peak_offload_bytes: int = 0
+    peak_prepare_bytes: int = 0
+
+
+# Budget -> AdapterStats fields: (in flight, peak, refused count).
+BUDGET_FIELDS = {
+    Budget.OFFLOAD: ("inflight_offload_bytes", "peak_offload_bytes", "refused_offload"),
+    Budget.PREPARE: ("inflight_prepare_bytes", "peak_prepare_bytes", "refused_prepare"),
+}
+
+
+def budget_of(command: Deposit | Fetch) -> Budget:
+    return Budget.OFFLOAD if isinstance(command, Deposit) else Budget.PREPARE
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdapterLimits:
+    max_inflight_offload_bytes: int
+    max_inflight_prepare_bytes: int
+    wait_timeout_s: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Callbacks:
+    """What the adapter hands to the KVCR factory (all run on the owner thread)."""
+
+    request_pin: Callable[[Iterable[bytes]], int]
+    poll_pin_results: Callable[[], list[tuple[int, None]]]
+    release_pin: Callable[[object], bool]
+    inventory_sink: Callable[[Any], None]
+    on_resilience_event: Callable[[Exception], None]
+
+
+class NoPinFramework:
+    """Declines every source pin at once: this linker serves peers only from KVCR
+    DRAM, never by pinning device pages, so a stale hint fails fast per key."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._answers: list[tuple[int, None]] = []
+        self.requests = 0  # pins asked for so far (each answered at its next poll)
+
+    def request_pin(self, keys: Iterable[bytes]) -> int:
+        pin_id = next(self._ids)
+        self._answers.append((pin_id, None))
+        self.requests += 1
+        return pin_id
+
+    def poll_pin_results(self) -> list[tuple[int, None]]:
+        answers, self._answers = self._answers, []
+        return answers
+
+    @staticmethod
+    def release_pin(handle: object) -> bool:
+        return True

@@ -1,0 +1,178 @@
+"""The microbench's targets, its metric record, and how it reads the machine.
+
+``TARGETS`` are the issue's thresholds per metric (None: informational);
+``metric`` builds the record the report's ``metrics`` list holds and the docs'
+figures table names. ``busy_fraction`` / ``wait_for_quiet`` / ``thread_cpu_pct``
+read /proc so a section can wait for a quiet machine and say what it saw.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvcr_drivers.bench.decode_itl import pct
+
+
+@dataclass(frozen=True)
+class Target:
+    field: str  # "value" or "ratio"
+    op: str
+    bound: float
+
+    def text(self) -> str:
+        return f"{self.field} {self.op} {self.bound:g}"
+
+    def check(self, metric: dict[str, Any]) -> bool:
+        got = metric.get(self.field)
+        if got is None or (isinstance(got, float) and math.isnan(got)):
+            return False
+        return {
+            "<=": got <= self.bound,
+            ">=": got >= self.bound,
+            "==": got == self.bound,
+        }[self.op]
+
+
+TRANSFER_PAGES = (47, 256)  # a 3000-token prompt at page 64, and a long context
+
+# The issue's CPU targets (ratios measured side by side in this run).
+TARGETS: dict[str, Target | None] = {
+    "zero_hit_ttft_ratio": Target("ratio", "<=", 1.05),
+    "restore_copy_vs_torch_copy": Target("ratio", ">=", 0.8),
+    "offload_vs_nixl_loopback": Target("ratio", ">=", 0.7),
+    "zero_hit_prepare_us_p50": Target("value", "<=", 100.0),
+    "zero_hit_owner_commands": Target("value", "==", 0),
+    # Off the critical path (prepared at enqueue) and replacing a whole prefill;
+    # dominated by KVCR's own fetch of 47 blocks of 56 parts (Python per part).
+    "hit_prepare_us_p50": Target("value", "<=", 10000.0),
+    "hint_prepare_us_p50": None,  # informational: bound by the peer transfer
+    "hook_overhead_us_p50": Target("value", "<=", 150.0),
+    "linker_idle_cpu_pct": None,  # informational: background cost of an idle linker
+    # Foreground decode ITL under write-through load, kvcr over none (serving).
+    "decode_itl_p50_ratio": None,
+    "decode_itl_p99_ratio": Target("ratio", "<=", 1.1),
+    # The CUDA targets (issue 11); on cpu the same figures are informational.
+    **{
+        f"restore_vs_pinned_h2d_{n}p": Target("ratio", ">=", 0.8)
+        for n in TRANSFER_PAGES
+    },
+    **{
+        f"offload_vs_pinned_d2h_{n}p": Target("ratio", ">=", 0.7)
+        for n in TRANSFER_PAGES
+    },
+}
+
+
+def dist(values: list[float]) -> dict[str, Any]:
+    return {
+        "n": len(values),
+        "p50": round(statistics.median(values), 3),
+        "p90": round(pct(values, 0.9), 3),
+        "p99": round(pct(values, 0.99), 3),
+        "min": round(min(values), 3),
+        "max": round(max(values), 3),
+    }
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def busy_fraction(interval_s: float = 1.0) -> float:
+    """Share of all CPUs' time not idle over ``interval_s`` (from /proc/stat)."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+
+    total0, idle0 = sample()
+    time.sleep(interval_s)
+    total1, idle1 = sample()
+    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+def wait_for_quiet(limit: float, timeout_s: float) -> dict[str, Any]:
+    """Wait (bounded) until the machine is mostly idle; say what was seen."""
+    deadline = time.monotonic() + timeout_s
+    seen = busy_fraction()
+    waited = 0.0
+    while seen > limit and time.monotonic() < deadline:
+        waited += 1.0
+        seen = busy_fraction()
+    return {"busy": round(seen, 3), "quiet": seen <= limit, "waited_s": waited}
+
+
+def thread_cpu_pct(seconds: float) -> dict[str, float]:
+    """CPU each thread of this process used over ``seconds``, in % of one core."""
+    import threading
+
+    def ticks() -> dict[int, int]:
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            out[int(tid)] = int(fields[11]) + int(fields[12])
+        return out
+
+    hz = os.sysconf("SC_CLK_TCK")
+    before = ticks()
+    time.sleep(seconds)
+    after = ticks()
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    used: dict[str, float] = {}
+    for tid, n in after.items():
+        name = names.get(tid, "native")
+        pct_core = 100.0 * (n - before.get(tid, n)) / hz / seconds
+        used[name] = round(used.get(name, 0.0) + pct_core, 1)
+    return {k: v for k, v in sorted(used.items(), key=lambda kv: -kv[1]) if v}
+
+
+def settle() -> None:
+    """Collect, then freeze survivors so GC pauses stay out of the samples."""
+    gc.collect()
+    gc.freeze()
+
+
+def random_hashes(rng: random.Random, n: int) -> list[str]:
+    return [f"{rng.getrandbits(256):064x}" for _ in range(n)]
+
+
+def metric(
+    name: str,
+    value: float | None,
+    unit: str,
+    baseline: float | None = None,
+    *,
+    ratio: float | None = None,
+    error: str | None = None,
+    informational: bool = False,
+    **extra: Any,
+) -> dict[str, Any]:
+    if ratio is None and value is not None and baseline:
+        ratio = value / baseline
+    target = None if informational else TARGETS.get(name)
+    m: dict[str, Any] = {
+        "name": name,
+        "value": None if value is None else round(value, 4),
+        "unit": unit,
+        "baseline": None if baseline is None else round(baseline, 4),
+        "ratio": None if ratio is None else round(ratio, 4),
+        "target": None if target is None else target.text(),
+    }
+    m["passed"] = None if target is None else (error is None and target.check(m))
+    if error:
+        m["error"] = error
+    m.update(extra)
+    return m

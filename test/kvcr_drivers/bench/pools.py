@@ -1,0 +1,225 @@
+"""A pool of a given geometry and the linker over it, as the microbench drives them.
+
+Realistic geometries (Qwen3-0.6B-like: 28 layers, 8 KV heads, dim 128, bf16, page
+64) on ``cpu`` or ``cuda``; the page-level steps (offload until its FIFO result,
+prepare + lookup, restore) timed the way the sections report them.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cpu_harness import kvcr_pages, kvcr_stack
+
+MIB = 1 << 20
+GIB = 1 << 30
+WAIT_S = 30.0
+READY_POLL_S = 50e-6  # sleeps between readiness checks release the GIL
+
+
+def wait_ready(predicate: Callable[[], bool], what: str) -> float:
+    """``kvcr_pages.wait_until`` polling every 50 us (latency samples wait on it)."""
+    return kvcr_pages.wait_until(predicate, WAIT_S, what, poll_s=READY_POLL_S)
+
+
+@dataclass
+class Geometry:
+    layers: int
+    heads: int
+    head_dim: int
+    page: int
+
+    @property
+    def part_bytes(self) -> int:  # one page of one K or V layer buffer, bf16
+        return self.page * self.heads * self.head_dim * 2
+
+    @property
+    def page_bytes(self) -> int:  # every K and V part of one page
+        return 2 * self.layers * self.part_bytes
+
+
+def make_pool(geo: Geometry, pages: int, device: str = "cpu") -> Any:
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    return MHATokenToKVPool(
+        pages * geo.page,
+        geo.page,
+        torch.bfloat16,
+        geo.heads,
+        geo.head_dim,
+        geo.layers,
+        device=device,
+        enable_memory_saver=False,
+    )
+
+
+def sync(device: str) -> None:
+    """Wait for the device's queued work; CPU copies are synchronous (no-op)."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def host_bytes(nbytes: int, device: str) -> Any:
+    """Host memory a device copies from or into: pinned when the device is CUDA."""
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
+
+
+def release_device_memory(device: str) -> None:
+    """Free what the last case left (settle() froze it out of the collector)."""
+    gc.unfreeze()
+    gc.collect()
+    if device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def make_linker(pool: Any, geo: Geometry, kvcr_pages: int, **overrides: Any) -> Any:
+    config = {
+        "local_dram_bytes_per_worker": kvcr_pages * geo.page_bytes,
+        "operation_timeout_ms": 10000,
+        "abandon_timeout_ms": 20000,
+        "preparation_timeout_ms": 10000,
+        "max_inflight_offload_bytes": 4 * GIB,
+        "max_inflight_prepare_bytes": 4 * GIB,
+        "max_abandoned_bytes": 4 * GIB,
+        **overrides,
+    }
+    return kvcr_stack.bare_linker(pool, geo.page, config, model="bench-geometry")
+
+
+def kv_transfer(
+    geo: Geometry,
+    hashes: list[str],
+    pages: list[int] | None = None,
+    device: str = "cpu",
+):
+    """The KV ``PoolTransfer``; its device indices on ``device``, as SGLang passes
+    them (CUDA tensors on a GPU pool)."""
+    return kvcr_pages.kv_transfer(hashes, pages, device, page=geo.page)
+
+
+def pool_parts(pool: Any) -> list[Any]:
+    return [b for pair in zip(pool.k_buffer, pool.v_buffer, strict=True) for b in pair]
+
+
+def page_rows(pool: Any, geo: Geometry) -> list[Any]:
+    """Each K/V layer buffer as one uint8 row per page."""
+    import torch
+
+    out = []
+    for buf in pool_parts(pool):
+        pages = buf.shape[0] // geo.page
+        flat = buf[: pages * geo.page].reshape(-1).view(torch.uint8)
+        out.append(flat.view(pages, geo.part_bytes))
+    return out
+
+
+def fill_random(pool: Any, geo: Geometry, pages: list[int], seed: int) -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    for rows in page_rows(pool, geo):
+        index = torch.tensor(pages, dtype=torch.long, device=rows.device)
+        data = torch.randint(
+            0, 256, (len(pages), geo.part_bytes), dtype=torch.uint8, generator=gen
+        )
+        rows.index_copy_(0, index, data.to(rows.device))
+
+
+def pages_equal(pool: Any, geo: Geometry, a: list[int], b: list[int]) -> bool:
+    import torch
+
+    return all(
+        torch.equal(
+            rows.index_select(0, torch.tensor(a, device=rows.device)),
+            rows.index_select(0, torch.tensor(b, device=rows.device)),
+        )
+        for rows in page_rows(pool, geo)
+    )
+
+
+def offload_once(
+    linker: Any, geo: Geometry, hashes: list[str], pages: list[int], device: str = "cpu"
+):
+    """Seconds from ``offload`` to its completed FIFO result (must succeed)."""
+    transfers = kv_transfer(geo, hashes, pages, device)
+    sync(device)
+    t0 = time.perf_counter()
+    linker.offload(transfers)
+    wait_ready(lambda: linker.num_completed_offloads() >= 1, "offload completion")
+    elapsed = time.perf_counter() - t0
+    if not linker.pop_completed_offload():
+        raise RuntimeError(f"offload failed: {linker.stats_line()}")
+    return elapsed
+
+
+def prepare_and_lookup(linker: Any, rid: str, transfers: Any, hint: Any = None):
+    """(total s, scheduler-call s, hit pages) of prepare -> ready -> lookup."""
+    from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
+
+    ctx = LinkerRequestContext(rid, 0, hint)
+    t0 = time.perf_counter()
+    handle = linker.prepare_request(ctx, transfers)
+    t1 = time.perf_counter()
+    waited = 0.0
+    if not linker.preparation_ready(handle):
+        w0 = time.perf_counter()
+        wait_ready(lambda: linker.preparation_ready(handle), f"{rid} prepared")
+        waited = time.perf_counter() - w0
+    t2 = time.perf_counter()
+    hit = linker.lookup(rid, transfers)
+    t3 = time.perf_counter()
+    return t3 - t0, (t1 - t0) + (t3 - t2), len(hit), waited
+
+
+def copy_once(dst: Any, src: Any, device: str) -> float:
+    """Seconds of one ``copy_`` (non-blocking on CUDA, waited for)."""
+    sync(device)
+    t0 = time.perf_counter()
+    dst.copy_(src, non_blocking=True)
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def restore_once(
+    linker: Any,
+    geo: Geometry,
+    rid: str,
+    hashes: list[str],
+    dest: list[int],
+    device: str,
+) -> float:
+    """Seconds from ``load`` until the restore finished and the device is idle
+    (prepare and lookup run first, untimed: they happen at enqueue)."""
+    _, _, hit, _ = prepare_and_lookup(linker, rid, kv_transfer(geo, hashes))
+    if hit != len(hashes):
+        raise RuntimeError(f"restore lookup hit {hit} of {len(hashes)} pages")
+    transfers = kv_transfer(geo, hashes, dest, device)
+    sync(device)
+    t0 = time.perf_counter()
+    linker.load(rid, transfers)
+    index = linker.start_layer_wise_loading()
+    ok = linker.finish_layer_wise_loading(index)
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    linker.finish_request(rid)
+    if not ok:
+        raise RuntimeError(f"restore failed: {linker.stats_line()}")
+    return elapsed
+
+
+def zero_pages(pool: Any, geo: Geometry, pages: list[int]) -> None:
+    import torch
+
+    for rows in page_rows(pool, geo):
+        rows.index_fill_(0, torch.tensor(pages, device=rows.device), 0)

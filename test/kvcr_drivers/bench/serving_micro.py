@@ -1,0 +1,347 @@
+"""(e) zero-hit streaming TTFT and (e') decode ITL under write-through load, on CPU
+servers with and without the KVCR linker, run side by side (one at a time, the
+others SIGSTOPped, in rotating order)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from cpu_harness import server as harness
+from cpu_harness.tiny_model import ensure_tiny_model
+from kvcr_drivers.bench import decode_itl, serving
+from kvcr_drivers.bench.decode_itl import pct
+from kvcr_drivers.bench.metrics import dist, metric
+from kvcr_drivers.bench.pools import MIB
+
+EXTRA_SERVING_VARIANTS: list[tuple[str, list[str], dict[str, str] | None]] = []
+
+
+class CpuMeter:
+    """Splits machine CPU time into ours (this process and the server groups) and
+    everyone else's, from /proc, so rounds disturbed by other work can be told."""
+
+    def __init__(self, pgids: set[int]) -> None:
+        self.pgids = pgids
+        self.me = os.getpid()
+
+    def _own(self) -> int:
+        ticks = 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(entry) == self.me or int(fields[2]) in self.pgids:
+                ticks += int(fields[11]) + int(fields[12])
+        return ticks
+
+    def snapshot(self) -> tuple[int, int, int]:
+        with open("/proc/stat") as f:
+            cpu = [int(x) for x in f.readline().split()[1:]]
+        return sum(cpu), sum(cpu) - cpu[3] - cpu[4], self._own()
+
+    @staticmethod
+    def external(a: tuple[int, int, int], b: tuple[int, int, int]) -> float:
+        """Share of all CPUs used by processes not ours between two snapshots."""
+        total = max(1, b[0] - a[0])
+        return max(0.0, ((b[1] - a[1]) - (b[2] - a[2])) / total)
+
+
+def _stamp(t: float) -> str:
+    """``t`` as SGLang's log lines stamp it (local time, whole seconds)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def stats_after(
+    server: harness.ServerHandle, since: float, timeout_s: float
+) -> tuple[str, str] | None:
+    """The first KVCR_STATS line stamped at or after ``since`` (logged every 30 s
+    from the scheduler's pump; the server is kept stepping with requests shorter
+    than a page, which offload nothing), or None at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        later = [
+            x
+            for x in decode_itl.stamped_stats(server.log_text())
+            if x[0] >= _stamp(since)
+        ]
+        if later or time.monotonic() >= deadline:
+            return later[0] if later else None
+        server.generate(input_ids=[5, 6, 7], max_new_tokens=1, timeout=30.0)
+        time.sleep(0.5)
+
+
+def bench_decode_itl(
+    args: argparse.Namespace,
+    servers: dict[str, harness.ServerHandle],
+    details: dict[str, Any],
+    metrics: list[dict[str, Any]],
+) -> None:
+    """Foreground decode ITL of one streaming request while paced unique prompts
+    make the kvcr server write pages through, kvcr against none, rounds in
+    alternating order (one server running at a time)."""
+    page = args.ttft_page_size
+    vocab = 300
+    fg = decode_itl.prompt_maker(args.seed + 40, 48, vocab)
+    runs = {name: servers[name] for name in ("none", "kvcr")}
+    itl: dict[str, Any] = {
+        "method": decode_itl.__doc__,
+        "background_prompt_len": args.ttft_prompt_len,
+        "background_pages_per_prompt": serving.page_aligned(args.ttft_prompt_len, page)
+        // page,
+        "every_tokens": args.itl_every_tokens,
+        "output_len": args.itl_output_len,
+        "concurrency": args.itl_concurrency,
+    }
+    details["decode_itl"] = itl
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
+    started = time.time()
+    for i in range(1 + args.itl_rounds):  # round 0 warms both up
+        ids = fg()
+        order = list(runs) if i % 2 == 0 else list(runs)[::-1]
+        for name in order:
+            with serving.running(runs[name]):
+                r = decode_itl.itl_round(
+                    runs[name].base_url,
+                    ids,
+                    decode_itl.prompt_maker(
+                        args.seed + 100 + i, args.ttft_prompt_len, vocab
+                    ),
+                    concurrency=args.itl_concurrency,
+                    every_tokens=args.itl_every_tokens,
+                    output_len=args.itl_output_len if i else 8,
+                    timeout=120.0,
+                )
+            if i:
+                rounds[name].append(r)
+    ended = time.time()
+    with serving.running(runs["kvcr"]):
+        before = [
+            x
+            for x in decode_itl.stamped_stats(runs["kvcr"].log_text())
+            if x[0] < _stamp(started)
+        ]
+        after = stats_after(runs["kvcr"], ended + 1.0, args.itl_stats_wait_s)
+    offloaded = None
+    if after is not None:
+        first = serving.parse_stats(before[-1][1]) if before else {}
+        last = serving.parse_stats(after[1])
+        offloaded = {
+            k: int(last.get(k, 0) - first.get(k, 0))
+            for k in (
+                "offloads",
+                "offload_pages",
+                "offloaded_bytes",
+                "offload_failures",
+            )
+        }
+    summary = {name: decode_itl.itl_summary(r) for name, r in rounds.items()}
+    itl.update(
+        rounds=rounds,
+        summary=summary,
+        kvcr_stats_before=before[-1] if before else None,
+        kvcr_stats_after=after,
+        kvcr_offloaded_during_phase=offloaded,
+        offload_note="KVCR_STATS deltas from the last line before the phase (or "
+        "startup) to the first line after it; the servers only run during their "
+        "rounds (SIGSTOP otherwise), so these offloads happened in rounds",
+    )
+    error = None
+    done_in_window = [r["background_done_in_window"] for r in rounds["kvcr"]]
+    if offloaded is not None and offloaded["offloaded_bytes"] <= 0:
+        error = "the kvcr server offloaded nothing during the decode rounds"
+    elif 4 * sum(n > 0 for n in done_in_window) < 3 * len(done_in_window):
+        error = (
+            "under 3/4 of the kvcr rounds had a background prefill finish inside "
+            "their decode window"
+        )
+    common = {
+        "samples": summary["kvcr"]["n"],
+        "rounds": args.itl_rounds,
+        "background_done_in_window": done_in_window,
+        "offloaded_bytes_during_phase": None
+        if offloaded is None
+        else offloaded["offloaded_bytes"],
+        "offload_failures_during_phase": None
+        if offloaded is None
+        else offloaded["offload_failures"],
+    }
+    metrics.extend(
+        metric(
+            f"decode_itl_{q}_ratio",
+            summary["kvcr"][q],
+            "ms",
+            summary["none"][q],
+            error=error,
+            **common,
+        )
+        for q in ("p50", "p99")
+    )
+
+
+def bench_serving(
+    args: argparse.Namespace, out: dict[str, Any], metrics: list[dict[str, Any]]
+) -> None:
+    """Every server up, one running at a time (the others SIGSTOPped), in rotating
+    order per round of one fresh prompt each.
+
+    Interleaving makes load from elsewhere hit every variant alike, and stopping
+    the idle servers keeps their threads (KVCR's progress loop, for one) from
+    taxing the others' samples. Rounds during which other processes used more
+    than ``--quiet-round-busy`` of the CPUs are kept in the report but left out of the
+    medians, and replaced, up to 4x the requested rounds.
+    """
+    from sglang.srt.mem_cache.storage.kvcr import integration
+
+    rng = random.Random(args.seed + 3)
+    model = str(ensure_tiny_model())
+
+    def prompt() -> list[int]:
+        return [rng.randrange(3, 300) for _ in range(args.ttft_prompt_len)]
+
+    work = Path(out["_work"])
+    base = [
+        "--page-size",
+        str(args.ttft_page_size),
+        "--max-total-tokens",
+        str(8 * args.ttft_prompt_len),
+        "--max-running-requests",
+        "4",
+        "--chunked-prefill-size",
+        str(max(args.ttft_prompt_len, 512)),
+    ]
+    linker_args = harness.kvcr_linker_args(
+        serving.kvcr_linker_config(256 * MIB, 10000, {})
+    )
+    details: dict[str, Any] = {
+        "prompt_len": args.ttft_prompt_len,
+        "method": "streaming /generate, send -> first chunk; 1 output token; "
+        "servers interleaved in rotating order, the idle ones SIGSTOPped; "
+        "medians over rounds with little CPU use by other processes",
+    }
+    out["serving"] = details
+    # The plugin selects SGLang's Python radix tree core; the default server runs
+    # the Rust one. ``none_pytree`` separates that choice from the linker itself.
+    variants = [
+        ("none", [], None),
+        *(
+            []  # --quick: one server fewer to start on a small machine
+            if args.quick
+            else [("none_pytree", [], {integration.TREE_CORE_ENV: "python"})]
+        ),
+        ("kvcr", linker_args, None),
+        *EXTRA_SERVING_VARIANTS,
+    ]
+    servers: dict[str, harness.ServerHandle] = {}
+    rounds: list[dict[str, Any]] = []
+    try:
+        for name, extra, env in variants:
+            servers[name] = harness.launch_server(
+                base + extra,
+                model_path=model,
+                log_path=work / f"microbench_{name}.log",
+                startup_timeout=args.startup_timeout,
+                env=env,
+                wait=False,
+            )
+        for handle in servers.values():
+            handle.wait_ready(args.startup_timeout)
+            serving.pause(handle)
+        try:
+            bench_decode_itl(args, servers, details, metrics)
+        except Exception as exc:
+            traceback.print_exc()
+            error = f"{type(exc).__name__}: {exc}"[:2000]
+            metrics += [
+                metric(n, None, "ms", error=error)
+                for n in ("decode_itl_p50_ratio", "decode_itl_p99_ratio")
+                if n not in {m["name"] for m in metrics}
+            ]
+            for handle in servers.values():
+                serving.pause(handle)
+        meter = CpuMeter({h.pgid for h in servers.values()})
+        names = list(servers)
+        quiet = 0
+        for i in range(args.ttft_warmup + 4 * args.ttft_prompts):
+            if quiet >= args.ttft_prompts:
+                break
+            ids = prompt()
+            # Rotate and reverse the order so no variant always runs first.
+            k = i % len(names)
+            order = names[k:] + names[:k]
+            before = meter.snapshot()
+            got: dict[str, Any] = {}
+            for name in order if (i // len(names)) % 2 == 0 else order[::-1]:
+                with serving.running(servers[name]):
+                    got[name] = serving.stream_ttft(
+                        servers[name], ids, 1, timeout=120.0
+                    )
+            if i < args.ttft_warmup:
+                continue
+            external = CpuMeter.external(before, meter.snapshot())
+            quiet += external <= args.quiet_round_busy
+            rounds.append({"external_busy": round(external, 3), "samples": got})
+        for name, handle in servers.items():
+            serving.resume(handle)
+            details[name] = {
+                "startup_s": round(handle.startup_s or 0.0, 2),
+                "log": str(handle.log_path),
+            }
+        details["kvcr"]["kvcr_stats"] = serving.STATS_RE.findall(
+            servers["kvcr"].log_text()
+        )
+    finally:
+        for handle in servers.values():
+            serving.resume(handle)
+            handle.stop()
+    if any(s["cached_tokens"] for r in rounds for s in r["samples"].values()):
+        raise RuntimeError("a 'unique' prompt was served from cache")
+    used = [r for r in rounds if r["external_busy"] <= args.quiet_round_busy]
+    details["rounds"] = len(rounds)
+    details["quiet_rounds"] = len(used)
+    details["noisy"] = len(used) < args.ttft_prompts
+    if details["noisy"]:
+        used = rounds  # never quiet enough: report every round, flagged
+    for name in servers:
+        details[name]["ttft_ms"] = [r["samples"][name]["ttft_ms"] for r in used]
+        details[name]["all_ttft_ms"] = [r["samples"][name]["ttft_ms"] for r in rounds]
+    details["external_busy"] = [r["external_busy"] for r in rounds]
+    ttft = {n: details[n]["ttft_ms"] for n in servers}
+    pair_ratios = [k / n for k, n in zip(ttft["kvcr"], ttft["none"], strict=True)]
+    details["pair_ratio"] = dist(pair_ratios)
+    med = {n: statistics.median(v) for n, v in ttft.items()}
+    details["median_ttft_ms"] = {n: round(v, 3) for n, v in med.items()}
+    details["p25_ttft_ms"] = {n: round(pct(v, 0.25), 3) for n, v in ttft.items()}
+    pytree = med.get("none_pytree")
+    details["ratio_python_tree_core_vs_none"] = (
+        round(pytree / med["none"], 3) if pytree else None
+    )
+    details["ratio_kvcr_vs_python_tree_core"] = (
+        round(med["kvcr"] / pytree, 3) if pytree else None
+    )
+    metrics.append(
+        metric(
+            "zero_hit_ttft_ratio",
+            statistics.median(ttft["kvcr"]),
+            "ms",
+            statistics.median(ttft["none"]),
+            samples=len(ttft["kvcr"]),
+            with_linker_range_ms=[min(ttft["kvcr"]), max(ttft["kvcr"])],
+            without_linker_range_ms=[min(ttft["none"]), max(ttft["none"])],
+            pair_ratio_p50=details["pair_ratio"]["p50"],
+            vs_python_tree_core=details["ratio_kvcr_vs_python_tree_core"],
+            quiet_rounds=details["quiet_rounds"],
+            noisy=details["noisy"],
+        )
+    )

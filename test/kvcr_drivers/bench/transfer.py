@@ -1,0 +1,124 @@
+"""(f) restore and staged offload against plain host<->device copies, per request
+size, on ``--device`` (cpu: informational; cuda: the targets apply)."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Any
+
+from kvcr_drivers.bench.metrics import gbps, metric, random_hashes, settle
+from kvcr_drivers.bench.pools import (
+    Geometry,
+    copy_once,
+    fill_random,
+    host_bytes,
+    make_linker,
+    make_pool,
+    offload_once,
+    pages_equal,
+    release_device_memory,
+    restore_once,
+    zero_pages,
+)
+
+
+def transfer_case(
+    args: argparse.Namespace, geo: Geometry, n: int, rng: random.Random
+) -> dict[str, list[float]]:
+    """Seconds per rep of: the staged offload of ``n`` scattered pool pages until
+    its FIFO result; a device-to-host copy of the same bytes into (pinned) host
+    memory; the restore of those pages from claimed KVCR DRAM into ``n`` other
+    scattered pool pages; a host-to-device copy from a (pinned) host tensor.
+    Interleaved rep by rep; rep 0 warms up and checks the restore byte for byte."""
+    import torch
+
+    device = args.device
+    nbytes = n * geo.page_bytes
+    order = rng.sample(range(1, 1 + 2 * n), 2 * n)
+    src_pages, dst_pages = order[:n], order[n:]
+    pool = make_pool(geo, 1 + 2 * n, device)
+    fill_random(pool, geo, src_pages, seed=7)
+    linker = make_linker(
+        pool,
+        geo,
+        kvcr_pages=n + max(8, n // 4),
+        offload_path="staged",
+        max_inflight_offload_bytes=nbytes + geo.page_bytes,
+    )
+    host = host_bytes(nbytes, device)
+    host.random_(0, 256)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times: dict[str, list[float]] = {"offload": [], "d2h": [], "restore": [], "h2d": []}
+    try:
+        settle()
+        for rep in range(args.copy_reps + 1):
+            hashes = random_hashes(rng, n)
+            got = {"offload": offload_once(linker, geo, hashes, src_pages, device)}
+            got["d2h"] = copy_once(host, dev, device)
+            if rep == 0:
+                zero_pages(pool, geo, dst_pages)
+            got["restore"] = restore_once(
+                linker, geo, f"t{n}-{rep}", hashes, dst_pages, device
+            )
+            if rep == 0 and not pages_equal(pool, geo, src_pages, dst_pages):
+                raise RuntimeError(f"{n}-page restore was not byte-exact")
+            got["h2d"] = copy_once(dev, host, device)
+            if rep:
+                for k, v in got.items():
+                    times[k].append(v)
+    finally:
+        linker.close()
+        del linker, pool, host, dev
+        release_device_memory(device)
+    return times
+
+
+def bench_transfer(
+    args: argparse.Namespace, out: dict[str, Any], metrics: list[dict[str, Any]]
+) -> None:
+    """Restore and staged offload GB/s against plain copies, per request size."""
+    geo = Geometry(args.layers, args.heads, args.head_dim, args.page_size)
+    rng = random.Random(args.seed + 5)
+    on_cuda = args.device == "cuda"
+    details: dict[str, Any] = {
+        "device": args.device,
+        "geometry": vars(geo),
+        "method": "restore: load -> finish_layer_wise_loading (+ device sync) into "
+        "scattered pool pages, vs host->device copy_ of the same bytes; offload: "
+        "offload_path staged, offload() -> its FIFO result, vs device->host copy_; "
+        + (
+            "host tensors pinned, copies non_blocking, torch.cuda.synchronize()"
+            if on_cuda
+            else "cpu: host-to-host copies, informational (targets apply on cuda)"
+        ),
+    }
+    out["transfer"] = details
+    for n in args.transfer_pages:
+        t0 = time.monotonic()
+        times = transfer_case(args, geo, n, rng)
+        nbytes = n * geo.page_bytes
+        rates = {k: [round(gbps(nbytes, x), 3) for x in v] for k, v in times.items()}
+        details[f"{n}p"] = {
+            "request_bytes": nbytes,
+            "gbps": rates,
+            "seconds": round(time.monotonic() - t0, 1),
+        }
+        med = {k: statistics.median(v) for k, v in rates.items()}
+        for name, value, base in (
+            (f"restore_vs_pinned_h2d_{n}p", med["restore"], med["h2d"]),
+            (f"offload_vs_pinned_d2h_{n}p", med["offload"], med["d2h"]),
+        ):
+            metrics.append(
+                metric(
+                    name,
+                    value,
+                    "GB/s",
+                    base,
+                    informational=not on_cuda,
+                    samples=len(rates["restore"]),
+                    device=args.device,
+                )
+            )

@@ -1,0 +1,286 @@
+"""End-to-end validation of the KVCR direct linker on real SGLang servers (the
+checks behind ``kvcr_validate.py``, whose docstring says what each one is).
+
+Every replay is compared with a no-linker control server by greedy output ids and
+by served cached tokens (device and external).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from cpu_harness import server as harness
+from cpu_harness.kvcr_pages import fetch_hint
+from kvcr_drivers.bench.serving import (
+    STATS_RE,
+    ServingRun,
+    base_server_args,
+    page_aligned,
+    server_env,
+)
+
+CHECKS = (
+    "local_round_trip",
+    "flush_clears_residency",
+    "peer_reuse",
+    "no_hint_control",
+    "stale_hint_control",
+    "dead_peer_control",
+)
+PEER_CHECKS = frozenset(CHECKS[2:])
+
+
+def page_hashes(token_ids: list[int], page: int) -> list[int]:
+    """The router's unsigned 64-bit hashes of a prompt's full pages."""
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    from sglang.srt.mem_cache.storage.kvcr.router_hint import page_hash_to_u64
+
+    usable = page_aligned(len(token_ids), page)
+    hashes = get_storage_hash_str(RadixKey(token_ids[:usable]), None, page_size=page)
+    return [page_hash_to_u64(h) for h in hashes]
+
+
+class Driver(ServingRun):
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args, "validate")
+        self.checks: list[dict[str, Any]] = []
+        self.servers: dict[str, harness.ServerHandle] = {}
+        self.selected = set(args.checks.split(",")) if args.checks else set(CHECKS)
+
+    def port(self, offset: int) -> int | None:
+        return self.args.port_base + offset if self.args.port_base else None
+
+    def control_port(self, offset: int) -> int:
+        if self.args.port_base:
+            return self.args.port_base + 10 + offset * 8
+        return harness.free_port()
+
+    def launch(
+        self, name: str, linker: dict[str, Any] | None, offset: int
+    ) -> harness.ServerHandle:
+        extra = base_server_args(self.args, self.max_total)
+        env = server_env(self.args.device)
+        if linker is not None:
+            extra += harness.kvcr_linker_args(linker)
+        handle = harness.launch_server(
+            extra,
+            model_path=self.model,
+            port=self.port(offset),
+            log_path=self.work / f"{name}.log",
+            startup_timeout=self.args.startup_timeout,
+            env=env,
+        )
+        self.servers[name] = handle
+        return handle
+
+    def linker_config(self, control_port: int) -> dict[str, Any]:
+        return {
+            "local_dram_bytes_per_worker": self.args.dram_bytes,
+            "control_port": control_port,
+            # KVCR disables serving peers after a progress stall longer than the
+            # operation timeout; CPU prefill on two cores stalls it for seconds.
+            "operation_timeout_ms": self.args.operation_timeout_ms,
+            "abandon_timeout_ms": 2 * self.args.operation_timeout_ms,
+            "preparation_timeout_ms": 5000,
+        }
+
+    def run(
+        self, server: harness.ServerHandle, ids: list[int], **extra: Any
+    ) -> dict[str, Any]:
+        started = time.monotonic()
+        out = server.generate(
+            input_ids=ids, max_new_tokens=self.args.output_len, **extra
+        )
+        meta = out.get("meta_info", {})
+        details = meta.get("cached_tokens_details") or {}
+        return {
+            "output_ids": list(out.get("output_ids") or []),
+            "cached_tokens": int(meta.get("cached_tokens", 0) or 0),
+            "device_cached_tokens": int(details.get("device", 0) or 0),
+            "external_cached_tokens": int(details.get("host", 0) or 0),
+            "wall_s": round(time.monotonic() - started, 4),
+        }
+
+    def fill(self, server: harness.ServerHandle) -> None:
+        count = (
+            self.args.filler_requests
+            or (2 * self.max_total) // self.args.prompt_len + 2
+        )
+        for _ in range(count):
+            self.run(server, self.prompt())
+
+    def record(
+        self,
+        name: str,
+        result: dict[str, Any],
+        control: dict[str, Any],
+        expected: int,
+        passed_if: bool,
+        **more: Any,
+    ) -> None:
+        matches = result["output_ids"] == control["output_ids"] and bool(
+            control["output_ids"]
+        )
+        check = {
+            "name": name,
+            "passed": bool(passed_if and matches),
+            "external_cached_tokens": result["external_cached_tokens"],
+            "device_cached_tokens": result["device_cached_tokens"],
+            "expected_tokens": expected,
+            "output_matches_control": matches,
+            "output_ids": result["output_ids"],
+            "control_output_ids": control["output_ids"],
+            "wall_s": result["wall_s"],
+            **more,
+        }
+        self.checks.append(check)
+        print(
+            f"[validate] {name}: {'PASS' if check['passed'] else 'FAIL'} "
+            f"external={check['external_cached_tokens']} device={check['device_cached_tokens']} "
+            f"expected={expected} output_matches={matches}",
+            flush=True,
+        )
+
+    def main(self) -> int:
+        a = self.args
+        self.aligned = page_aligned(a.prompt_len, a.page_size)
+        self.need = int(0.9 * self.aligned)
+        self.prompts = {name: self.prompt() for name in self.selected}
+        started = time.monotonic()
+        try:
+            control = self.launch("control", None, 0)
+            self.controls = {
+                n: self.run(control, ids) for n, ids in self.prompts.items()
+            }
+            control.stop()
+            ctl_a, ctl_b = self.control_port(1), self.control_port(2)
+            self.a = self.launch("linker_a", self.linker_config(ctl_a), 1)
+            if self.selected & PEER_CHECKS:
+                self.b = self.launch("linker_b", self.linker_config(ctl_b), 2)
+            self.endpoint_a = f"tcp://127.0.0.1:{ctl_a}"
+            for name in CHECKS:  # dead_peer_control last: it leaves B quarantined
+                if name in self.selected:
+                    getattr(self, f"check_{name}")(name)
+        finally:
+            for handle in self.servers.values():
+                handle.stop()
+        return self.report(time.monotonic() - started)
+
+    def check_local_round_trip(self, name: str) -> None:
+        """Compute, evict from the device with filler traffic, replay from KVCR."""
+        self.run(self.a, self.prompts[name])
+        self.fill(self.a)
+        r = self.run(self.a, self.prompts[name])
+        self.record(
+            name,
+            r,
+            self.controls[name],
+            self.aligned,
+            r["external_cached_tokens"] >= self.need,
+        )
+
+    def check_flush_clears_residency(self, name: str) -> None:
+        """A flush rebuilds KVCR; the replay is a clean miss."""
+        self.run(self.a, self.prompts[name])
+        time.sleep(0.5)  # let the write-through offload commit
+        flushed = self.a.flush_cache().status_code == 200
+        r = self.run(self.a, self.prompts[name])
+        ok = (
+            flushed
+            and r["external_cached_tokens"] == 0
+            and r["device_cached_tokens"] == 0
+        )
+        self.record(name, r, self.controls[name], 0, ok, flush_ok=flushed)
+
+    def check_peer_reuse(self, name: str) -> None:
+        """A computes; B is told by a hint that A holds the pages."""
+        self.run(self.a, self.prompts[name])
+        time.sleep(1.0)  # A's offload to its KVCR DRAM completes asynchronously
+        hashes = page_hashes(self.prompts[name], self.args.page_size)
+        r = self.run(
+            self.b, self.prompts[name], kv_hints=fetch_hint(self.endpoint_a, hashes)
+        )
+        self.record(
+            name,
+            r,
+            self.controls[name],
+            self.aligned,
+            r["external_cached_tokens"] >= self.need,
+        )
+
+    def check_no_hint_control(self, name: str) -> None:
+        """A holds the pages, B is not told: a clean miss."""
+        self.run(self.a, self.prompts[name])
+        time.sleep(1.0)
+        r = self.run(self.b, self.prompts[name])
+        self.record(name, r, self.controls[name], 0, r["external_cached_tokens"] == 0)
+
+    def check_stale_hint_control(self, name: str) -> None:
+        """The hint names pages A never computed."""
+        stale = page_hashes(self.prompts[name], self.args.page_size)
+        r = self.run(
+            self.b, self.prompts[name], kv_hints=fetch_hint(self.endpoint_a, stale)
+        )
+        self.record(name, r, self.controls[name], 0, r["external_cached_tokens"] == 0)
+
+    def check_dead_peer_control(self, name: str) -> None:
+        """The hint names an endpoint nobody listens on."""
+        dead = f"tcp://127.0.0.1:{harness.free_port()}"
+        hashes = page_hashes(self.prompts[name], self.args.page_size)
+        r = self.run(self.b, self.prompts[name], kv_hints=fetch_hint(dead, hashes))
+        self.record(name, r, self.controls[name], 0, r["external_cached_tokens"] == 0)
+
+    def report(self, wall_s: float) -> int:
+        stats = {
+            name: STATS_RE.findall(h.log_text())[-3:]
+            for name, h in self.servers.items()
+        }
+        done = {c["name"] for c in self.checks}
+        for name in CHECKS:
+            if name in self.selected and name not in done:
+                self.checks.append(
+                    {
+                        "name": name,
+                        "passed": False,
+                        "external_cached_tokens": 0,
+                        "expected_tokens": 0,
+                        "output_matches_control": False,
+                        "error": "not run",
+                    }
+                )
+        path = (
+            Path(self.args.report)
+            if self.args.report
+            else self.work / "kvcr_validate_report.json"
+        )
+        body = {
+            "checks": self.checks,
+            "config": dict(vars(self.args)),
+            "model_path": self.model,
+            "wall_s": round(wall_s, 2),
+            "linker_stats": stats,
+            "logs": {name: str(h.log_path) for name, h in self.servers.items()},
+            "env": {k: os.environ.get(k, "") for k in ("UCX_NET_DEVICES", "UCX_TLS")},
+        }
+        path.write_text(json.dumps(body, indent=2))
+        print()
+        print(
+            f"{'check':<24} {'result':<6} {'external':>9} {'expected':>9} {'output=control':>15}"
+        )
+        for c in self.checks:
+            print(
+                f"{c['name']:<24} {'PASS' if c['passed'] else 'FAIL':<6} "
+                f"{c['external_cached_tokens']:>9} {c['expected_tokens']:>9} "
+                f"{c['output_matches_control']!s:>15}"
+            )
+        ok = all(c["passed"] for c in self.checks)
+        print(f"overall: {'PASS' if ok else 'FAIL'} in {wall_s:.1f} s")
+        print(f"REPORT {path}")
+        return 0 if ok else 1

@@ -1,0 +1,79 @@
+"""The one table of benchmark figures (docs/kvcr_direct_linker.md) against the bench.
+
+The table is generated from a ``make bench`` report (``kvcr_drivers.bench.figures``).
+Here it must be well formed, name exactly the metrics a default CPU run reports, in
+report order, with the bench's own units and targets, and show a result that its
+own numbers and those targets give; its source line must name the pinned kvcr and
+nixl. A renamed metric, a changed target or a re-pinned dependency fails this until
+the table is regenerated.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from kvcr_drivers.bench import figures, micro
+from kvcr_drivers.bench.metrics import TARGETS
+
+REPO = Path(__file__).resolve().parents[4]
+DOCS = REPO / "docs" / "kvcr_direct_linker.md"
+PINS = REPO / "requirements" / "cpu.txt"
+
+
+def number(text: str) -> float | None:
+    return None if text == "-" else float(text)
+
+
+def table() -> tuple[str, list[dict[str, str]]]:
+    return figures.parse(DOCS.read_text())
+
+
+def test_the_table_names_every_metric_the_bench_reports_in_order():
+    _, rows = table()
+    assert [r["metric"] for r in rows] == micro.metric_names("cpu")
+
+
+def test_units_and_targets_are_the_benchs_own():
+    _, rows = table()
+    for r in rows:
+        name = r["metric"]
+        assert r["unit"] == micro.metric_unit(name), r
+        target = None if micro.informational(name, "cpu") else TARGETS[name]
+        assert r["target"] == (target.text() if target else "-"), r
+
+
+def test_each_result_follows_from_the_rows_numbers():
+    _, rows = table()
+    for r in rows:
+        values = {k: number(r[k]) for k in ("value", "baseline", "ratio")}
+        target = (
+            None if micro.informational(r["metric"], "cpu") else TARGETS[r["metric"]]
+        )
+        if target is None:
+            assert r["result"] == "info", r
+            continue
+        if values["baseline"] is not None and values["value"] is not None:
+            # The report rounds value, baseline and ratio to 4 decimals each.
+            ratio = values["value"] / values["baseline"]
+            assert abs(ratio - values["ratio"]) <= 1e-3 * max(1.0, ratio), r
+        assert r["result"] == figures.RESULT[target.check(values)], r
+
+
+def test_the_source_line_names_the_pinned_versions():
+    source, _ = table()
+    pins = dict(re.findall(r"^([a-z0-9_-]+)==(\S+)", PINS.read_text(), re.MULTILINE))
+    assert source.startswith("`make bench` on "), source
+    for name in ("kvcr", "nixl"):
+        assert f"{name} {pins[name]}" in source, (name, pins.get(name), source)
+
+
+def test_a_report_with_other_metrics_is_refused():
+    """The generator refuses a report that is not a default CPU run's."""
+    metrics = [{"name": n} for n in micro.metric_names("cpu")[:-1]]
+    try:
+        figures.table({"metrics": metrics, "config": {"device": "cpu"}}, "today")
+    except ValueError as exc:
+        assert "not a default cpu run" in str(exc)
+    else:
+        raise AssertionError("a report missing a metric made a table")
