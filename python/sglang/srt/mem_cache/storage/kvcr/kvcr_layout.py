@@ -22,13 +22,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 
 from sglang.srt.mem_cache.storage.kvcr.errors import KVCRConfigError, KVCRLinkerError
+from sglang.srt.mem_cache.storage.kvcr.router_hint import page_hash_to_u64
 
 if TYPE_CHECKING:
     from kvcr.types import BlockKey, MemoryRef, RegionDescriptor
@@ -37,7 +38,6 @@ logger = logging.getLogger(__name__)
 
 KEY_TAG = "kvcr-linker-v1"
 NO_MATCH_HASH = -1  # KeyAdapter.decode result for foreign keys; router hashes are >= 0
-_UINT64_MASK = (1 << 64) - 1
 _SUPPORTED = (
     "the KVCR linker supports dense MHA/MLA pools (MHATokenToKVPool, "
     "MLATokenToKVPool) and sliding-window SWAKVPool over them, with NHD slot rows "
@@ -316,13 +316,11 @@ class PageLayout:
 
 
 class KeyAdapter:
-    """kvcr ``KeyAdapter``: layout keys <-> the router's unsigned page hash."""
+    """kvcr ``KeyAdapter``: layout keys <-> the router's unsigned page hash, the
+    one mapping hints are matched by (``router_hint.page_hash_to_u64``)."""
 
     def __init__(self, layout: PageLayout) -> None:
-        from sglang.srt.mem_cache.utils import hash_str_to_int64
-
         self._layout = layout
-        self._hash: Callable[[str], int] = hash_str_to_int64
 
     def encode(self, framework_key: object) -> BlockKey:
         if isinstance(framework_key, str):
@@ -334,7 +332,7 @@ class KeyAdapter:
         """Router ``block_hashes`` value of the key's page; -1 for foreign keys."""
         try:
             page_hash = self._layout.parse_key(bytes(key).decode())[0]
-            return self._hash(page_hash) & _UINT64_MASK
+            return page_hash_to_u64(page_hash)
         except (TypeError, ValueError):
             return NO_MATCH_HASH
 
