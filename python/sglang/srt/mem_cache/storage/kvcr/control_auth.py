@@ -2,7 +2,8 @@
 
 kvcr 0.1.1's ``ZmqPeerControlChannel`` serves any peer that reaches its port, and
 page keys follow from token ids, so any host that can connect could pull pages.
-``make_kvcr_factory`` therefore builds the channel from ``GuardedChannel``: its
+``make_kvcr_factory`` therefore builds the channel from ``GuardedChannel`` (the
+subclass of kvcr's channel lives with the other kvcr patches, kvcr_patches): its
 PULL socket lives on a private ZMQ context whose ZAP handler (pyzmq's
 ``ThreadAuthenticator``) accepts a connection only from an address of the
 effective allowlist (the advertised host plus ``peer_endpoint_allowlist``, parsed
@@ -270,126 +271,7 @@ def _zap_handler_class() -> type:
     return ZapHandler
 
 
-def guarded_channel_class() -> type:
-    """kvcr's ``ZmqPeerControlChannel`` with the inbound check (built once)."""
-    global _GUARDED
-    with _GUARDED_LOCK:
-        if _GUARDED is None:
-            _GUARDED = _build_guarded_channel_class()
-        return _GUARDED
-
-
-def _build_guarded_channel_class() -> type:
-    import zmq
-
-    from kvcr.control_channels import ZmqPeerControlChannel
-
-    for name in ("initialize", "send", "close", "adopt_listener"):
-        if not callable(getattr(ZmqPeerControlChannel, name, None)):
-            raise ControlAuthError(
-                f"kvcr's ZmqPeerControlChannel has no {name}() (not kvcr 0.1.1?); "
-                f"the control channel's inbound check cannot be installed"
-            )
-    zap_handler = _zap_handler_class()
-
-    class GuardedChannel(ZmqPeerControlChannel):
-        """A control channel that checks who connects (see the module docstring)."""
-
-        # kvcr's attributes (kvcr ships no type information).
-        _listener: socket.socket | None
-        _ctx: Any
-        _socket: Any
-        _outgoing: dict[str, Any]
-
-        def __init__(
-            self,
-            bind_host: str,
-            bind_port: int,
-            advertise_host: str,
-            *,
-            guard: InboundGuard,
-        ) -> None:
-            super().__init__(bind_host, bind_port, advertise_host)
-            self._guard = guard
-            self._auth: Any = None
-
-        def initialize(self) -> None:
-            self._guard.load()
-            super().initialize()  # kvcr's own socket: bound, but nobody reads it
-            self._swap_in_guarded_socket()
-
-        def _swap_in_guarded_socket(self) -> None:
-            """Replace kvcr's unchecked PULL socket with one on a private context
-            whose ZAP handler checks every peer. Security options only apply at
-            bind, so the new socket binds again onto the same reserved listener
-            (a second descriptor of it); kvcr's socket is closed unread, and a
-            peer that had connected to it reconnects through the check."""
-            ctx = zmq.Context()
-            try:
-                auth = zap_handler(ctx)
-                auth.guard = self._guard
-                auth.start()
-            except BaseException as exc:
-                ctx.destroy(linger=0)
-                raise ControlAuthError(
-                    f"KVCR control ZAP handler failed to start: {exc}"
-                ) from exc
-            listener = self._listener
-            if listener is None:  # kvcr's initialize() always reserves one
-                _stop_authenticator(auth, ctx)
-                raise ControlAuthError("kvcr reserved no control listener")
-            guarded = ctx.socket(zmq.PULL)
-            guarded.linger = 0
-            descriptor = None
-            try:
-                self._guard.server_options(guarded)
-                descriptor = os.dup(listener.fileno())
-                guarded.setsockopt(zmq.USE_FD, descriptor)
-                guarded.bind(self._bind_endpoint)
-            except BaseException:
-                if descriptor is not None:  # not adopted: still ours to close
-                    os.close(descriptor)
-                guarded.close()
-                _stop_authenticator(auth, ctx)
-                raise
-            unchecked, self._socket = self._socket, guarded
-            unchecked.close()
-            self._ctx, self._auth = ctx, auth
-
-        def send(self, endpoint: str, message: bytes) -> bool:
-            # Dial with our options first; kvcr's send then finds the socket.
-            fresh = self._ctx is not None and endpoint not in self._outgoing
-            if fresh and not self._dial(endpoint):
-                return False
-            return bool(super().send(endpoint, message))
-
-        def _dial(self, endpoint: str) -> bool:
-            peer = self._ctx.socket(zmq.PUSH)
-            peer.linger = 0
-            try:
-                self._guard.client_options(peer, endpoint)
-                peer.connect(self._guard.client_endpoint(endpoint))
-            except zmq.ZMQError as exc:
-                logger.warning("KVCR control: cannot dial %s (%s)", endpoint, exc)
-                peer.close()
-                return False
-            self._outgoing[endpoint] = peer
-            return True
-
-        def close(self) -> None:
-            try:
-                super().close()
-            finally:
-                auth, self._auth = self._auth, None
-                ctx, self._ctx = self._ctx, None
-                _stop_authenticator(auth, ctx)
-
-    return GuardedChannel
-
-
 _SAFE_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.:-]*[A-Za-z0-9])?")
-_GUARDED: type | None = None
-_GUARDED_LOCK = threading.Lock()
 _STOP_TIMEOUT_S = 5.0
 
 

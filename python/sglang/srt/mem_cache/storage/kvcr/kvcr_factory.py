@@ -16,7 +16,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sglang.srt.mem_cache.storage.kvcr import control_auth, kvcr_patches
+from sglang.srt.mem_cache.storage.kvcr import kvcr_patches
 from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import Callbacks
 
 
@@ -121,7 +121,7 @@ def make_kvcr_factory(
         channel_cls: Any = ZmqPeerControlChannel
         if inbound_guard is not None:
             channel_cls = functools.partial(
-                control_auth.guarded_channel_class(), guard=inbound_guard
+                kvcr_patches.guarded_channel_class(), guard=inbound_guard
             )
         if control_port:
             control = channel_cls(
