@@ -20,10 +20,9 @@ import pytest
 from cpu_harness import kvcr_stack
 from cpu_harness import server as harness
 from cpu_harness.kvcr_pages import PAGE, fetch_hint, make_pool
-from sglang.srt.mem_cache.storage.kvcr import integration, kvcr_layout
+from sglang.srt.mem_cache.storage.kvcr import kvcr_layout, rank_placement
 from sglang.srt.mem_cache.storage.kvcr.errors import (
     KVCRConfigError,
-    KVCRUnavailableError,
 )
 from sglang.srt.mem_cache.storage.kvcr.rank_placement import placement_of
 from sglang.srt.mem_cache.storage.kvcr.router_hint import (
@@ -109,29 +108,29 @@ def _published_parallel(monkeypatch, **ranks):
 
 
 def test_attention_replica_reads_the_rank_sglang_published(monkeypatch):
-    assert integration.attention_replica(SimpleNamespace(dp_size=1)) == (0, 1)
+    assert rank_placement.attention_replica(SimpleNamespace(dp_size=1)) == (0, 1)
     _published_parallel(monkeypatch, dp_rank=3, attn_dp_rank=0, attn_dp_size=1)
-    assert integration.attention_replica(SimpleNamespace(dp_size=4)) == (3, 4)
+    assert rank_placement.attention_replica(SimpleNamespace(dp_size=4)) == (3, 4)
     _published_parallel(monkeypatch, dp_rank=None, attn_dp_rank=1, attn_dp_size=2)
     deprecated = SimpleNamespace(dp_size=2, enable_dp_attention=True)
-    assert integration.attention_replica(deprecated) == (1, 2)
+    assert rank_placement.attention_replica(deprecated) == (1, 2)
     # What 0.5.23 resolves --dp-size 2 --enable-dp-attention (or --attn-dp-size
     # 2) into: dp_size 1, attn_dp_size 2.
     resolved = SimpleNamespace(dp_size=1, attn_dp_size=2)
-    assert integration.attention_replica(resolved) == (1, 2)
+    assert rank_placement.attention_replica(resolved) == (1, 2)
     # DP replicas of attention-DP groups: replica 3 * 2 + 1 of 8.
     _published_parallel(monkeypatch, dp_rank=3, attn_dp_rank=1, attn_dp_size=2)
     both = SimpleNamespace(dp_size=4, attn_dp_size=2)
-    assert integration.attention_replica(both) == (7, 8)
+    assert rank_placement.attention_replica(both) == (7, 8)
 
 
 def test_an_unknown_dp_rank_is_refused_naming_the_flag(monkeypatch):
     monkeypatch.delenv("SGLANG_DP_RANK", raising=False)
     _published_parallel(monkeypatch, dp_rank=None)
-    with pytest.raises(KVCRUnavailableError, match="--dp-size 1"):
-        integration.attention_replica(SimpleNamespace(dp_size=2))
+    with pytest.raises(KVCRConfigError, match="--dp-size 1"):
+        rank_placement.attention_replica(SimpleNamespace(dp_size=2))
     monkeypatch.setenv("SGLANG_DP_RANK", "1")
-    assert integration.attention_replica(SimpleNamespace(dp_size=2)) == (1, 2)
+    assert rank_placement.attention_replica(SimpleNamespace(dp_size=2)) == (1, 2)
 
 
 def _storage_bytes(lk):

@@ -29,7 +29,6 @@ hook returns at once unless ``prepares_requests`` / ``publishes_external_events`
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -43,10 +42,10 @@ from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
     PreparationHandle,
     linker_hook,
 )
+from sglang.srt.mem_cache.storage.kvcr.plugin import TREE_CORE_ENV
 
 logger = logging.getLogger(__name__)
 
-TREE_CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
 
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
 _WRAPPER = (
@@ -455,51 +454,3 @@ def _node(core: Any, node_id: Any) -> Any:
         return core.node_by_id(node_id)
     except (KeyError, IndexError):
         return None
-
-
-def ensure_python_tree_core() -> None:
-    """Select SGLang's Python radix tree core for the KVCR linker (frontend)."""
-    chosen = os.environ.get(TREE_CORE_ENV)
-    if chosen is None:
-        os.environ[TREE_CORE_ENV] = "python"
-    elif chosen != "python":
-        raise KVCRUnavailableError(
-            f"the KVCR linker needs {TREE_CORE_ENV}=python (got {chosen!r}): it "
-            "publishes EXTERNAL KV events and clears stored marks on Python tree "
-            "nodes; unset the variable or set it to python"
-        )
-
-
-def attention_replica(server_args: Any) -> tuple[int, int]:
-    """(replica, replicas) of this scheduler process across the server: the DP
-    controller's replica ``d`` of ``--dp-size`` times its attention-DP rank ``a``
-    of ``--attn-dp-size`` (``--dp-size N --enable-dp-attention`` is resolved
-    into the latter), ``d * attn_dp_size + a``. Refuses when DP is on and
-    SGLang did not publish the rank."""
-    dp_size = int(getattr(server_args, "dp_size", 1) or 1)
-    attn_dp = int(getattr(server_args, "attn_dp_size", 1) or 1)
-    if getattr(server_args, "enable_dp_attention", False):
-        attn_dp = max(attn_dp, dp_size)  # the deprecated spelling, unresolved
-        dp_size = 1
-    if dp_size == 1 and attn_dp == 1:
-        return 0, 1
-    from sglang.srt.runtime_context import get_parallel
-
-    parallel = get_parallel()
-    try:
-        attn_rank = int(parallel.attn_dp_rank) if attn_dp > 1 else 0
-        dp_rank = parallel.dp_rank if dp_size > 1 else 0
-    except (AttributeError, RuntimeError, ValueError) as exc:
-        raise KVCRUnavailableError(
-            f"--dp-size {dp_size} / --attn-dp-size {attn_dp}: SGLang did not "
-            f"publish this process's DP rank ({exc}); run the KVCR linker with "
-            "--dp-size 1 and --attn-dp-size 1"
-        ) from exc
-    if dp_rank is None:
-        dp_rank = os.environ.get("SGLANG_DP_RANK")
-    if dp_rank is None:
-        raise KVCRUnavailableError(
-            f"--dp-size {dp_size}: this process's DP rank is unknown; run the "
-            "KVCR linker with --dp-size 1"
-        )
-    return int(dp_rank) * attn_dp + attn_rank, dp_size * attn_dp

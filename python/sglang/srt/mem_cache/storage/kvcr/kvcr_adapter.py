@@ -34,7 +34,6 @@ from sglang.srt.mem_cache.storage.kvcr.errors import (
     KVCRUnavailableError,
 )
 from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import (
-    BUDGET_FIELDS,
     AdapterLimits,
     AdapterStats,
     Budget,
@@ -50,6 +49,7 @@ from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import (
     OpKind,
     Release,
     budget_of,
+    charge,
 )
 from sglang.srt.mem_cache.storage.kvcr.kvcr_factory import BuiltKVCR, startup_remedy
 from sglang.srt.mem_cache.storage.kvcr.quarantine import RetainedCore
@@ -270,30 +270,12 @@ class KVCRAdapter:
     # ---- budget ------------------------------------------------------------------
 
     def _charge(self, budget: Budget, nbytes: int) -> bool:
-        inflight, peak, refused = BUDGET_FIELDS[budget]
-        limit = (
-            self._limits.max_inflight_offload_bytes
-            if budget is Budget.OFFLOAD
-            else self._limits.max_inflight_prepare_bytes
-        )
         with self._stats_lock:
-            s = self._stats
-            before = getattr(s, inflight)
-            now = before + nbytes
-            # One operation larger than the whole budget still runs, alone:
-            # refusing it would refuse it forever. Zero bytes (a claim on a
-            # resident page) always fits.
-            if nbytes and now > limit and before > 0:
-                setattr(s, refused, getattr(s, refused) + 1)
-                return False
-            setattr(s, inflight, now)
-            setattr(s, peak, max(getattr(s, peak), now))
-            return True
+            return charge(self._stats, self._limits, budget, nbytes)
 
     def _uncharge(self, budget: Budget, nbytes: int) -> None:
-        inflight = BUDGET_FIELDS[budget][0]
         with self._stats_lock:
-            setattr(self._stats, inflight, getattr(self._stats, inflight) - nbytes)
+            charge(self._stats, self._limits, budget, -nbytes)
 
     def _raise_if_failed(self) -> None:
         if self.state is AdapterState.CLOSED:

@@ -102,6 +102,27 @@ BUDGET_FIELDS = {
 }
 
 
+def charge(stats: AdapterStats, limits: Any, budget: Budget, nbytes: int) -> bool:
+    """Charge ``nbytes`` to ``budget`` in ``stats`` (negative: give it back);
+    False, counted, when it does not fit. One operation larger than the whole
+    budget still runs, alone (refusing it would refuse it forever); zero bytes (a
+    claim on a resident page) always fit. The caller holds the stats lock."""
+    inflight, peak, refused = BUDGET_FIELDS[budget]
+    limit = (
+        limits.max_inflight_offload_bytes
+        if budget is Budget.OFFLOAD
+        else limits.max_inflight_prepare_bytes
+    )
+    before = getattr(stats, inflight)
+    now = before + nbytes
+    if nbytes > 0 and now > limit and before > 0:
+        setattr(stats, refused, getattr(stats, refused) + 1)
+        return False
+    setattr(stats, inflight, now)
+    setattr(stats, peak, max(getattr(stats, peak), now))
+    return True
+
+
 def budget_of(command: Deposit | Fetch) -> Budget:
     return Budget.OFFLOAD if isinstance(command, Deposit) else Budget.PREPARE
 

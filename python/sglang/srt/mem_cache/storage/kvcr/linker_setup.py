@@ -207,9 +207,11 @@ class RankDescription:
 def describe_rank(server_args: Any, params: Any, components: Any) -> RankDescription:
     """This rank's description from SGLang's flags and cache params, refusing
     what the linker cannot describe exactly (naming the flag)."""
-    from sglang.srt.mem_cache.storage.kvcr.integration import attention_replica
     from sglang.srt.mem_cache.storage.kvcr.plugin import refuse_unsupported_topology
-    from sglang.srt.mem_cache.storage.kvcr.rank_placement import placement_of
+    from sglang.srt.mem_cache.storage.kvcr.rank_placement import (
+        attention_replica,
+        placement_of,
+    )
 
     refuse_unsupported_topology(server_args)
     kvcache = params.token_to_kv_pool_allocator.get_kvcache()

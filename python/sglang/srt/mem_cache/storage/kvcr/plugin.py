@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -24,8 +25,11 @@ from sglang.srt.mem_cache.storage.kvcr.config import (
     LINKER_MODULE_PATH,
     KVCRLinkerConfig,
 )
+from sglang.srt.mem_cache.storage.kvcr.errors import KVCRUnavailableError
 
 logger = logging.getLogger(__name__)
+
+TREE_CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
 
 ADD_CLI_ARGS_TARGET = "sglang.srt.server_args.ServerArgs.add_cli_args"
 HANDLE_HICACHE_TARGET = "sglang.srt.arg_groups.hicache_hook.handle_hicache"
@@ -105,10 +109,6 @@ def _after_handle_hicache(result: Any, server_args: Any) -> None:
     if uses_kvcr(backend, config):
         KVCRLinkerConfig.from_startup_config(backend, config)
         refuse_unsupported_topology(server_args)
-        from sglang.srt.mem_cache.storage.kvcr.integration import (
-            ensure_python_tree_core,
-        )
-
         ensure_python_tree_core()
 
 
@@ -143,3 +143,16 @@ def _around_create_linker(
         components=components,
         forward_stream=forward_stream,
     )
+
+
+def ensure_python_tree_core() -> None:
+    """Select SGLang's Python radix tree core for the KVCR linker (frontend)."""
+    chosen = os.environ.get(TREE_CORE_ENV)
+    if chosen is None:
+        os.environ[TREE_CORE_ENV] = "python"
+    elif chosen != "python":
+        raise KVCRUnavailableError(
+            f"the KVCR linker needs {TREE_CORE_ENV}=python (got {chosen!r}): it "
+            "publishes EXTERNAL KV events and clears stored marks on Python tree "
+            "nodes; unset the variable or set it to python"
+        )

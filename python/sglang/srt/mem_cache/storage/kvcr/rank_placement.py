@@ -16,6 +16,7 @@ its shard rank to fetch from the same shard.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from sglang.srt.mem_cache.storage.kvcr.errors import KVCRConfigError
@@ -70,3 +71,38 @@ def placement_of(
     return RankPlacement(
         shard_rank, shard_size, replica, ranks_total // nnodes, nnodes > 1
     )
+
+
+def attention_replica(server_args: Any) -> tuple[int, int]:
+    """(replica, replicas) of this scheduler process across the server: the DP
+    controller's replica ``d`` of ``--dp-size`` times its attention-DP rank ``a``
+    of ``--attn-dp-size`` (``--dp-size N --enable-dp-attention`` is resolved
+    into the latter), ``d * attn_dp_size + a``. Refuses when DP is on and
+    SGLang did not publish the rank."""
+    dp_size = int(getattr(server_args, "dp_size", 1) or 1)
+    attn_dp = int(getattr(server_args, "attn_dp_size", 1) or 1)
+    if getattr(server_args, "enable_dp_attention", False):
+        attn_dp = max(attn_dp, dp_size)  # the deprecated spelling, unresolved
+        dp_size = 1
+    if dp_size == 1 and attn_dp == 1:
+        return 0, 1
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    try:
+        attn_rank = int(parallel.attn_dp_rank) if attn_dp > 1 else 0
+        dp_rank = parallel.dp_rank if dp_size > 1 else 0
+    except (AttributeError, RuntimeError, ValueError) as exc:
+        raise KVCRConfigError(
+            f"--dp-size {dp_size} / --attn-dp-size {attn_dp}: SGLang did not "
+            f"publish this process's DP rank ({exc}); run the KVCR linker with "
+            "--dp-size 1 and --attn-dp-size 1"
+        ) from exc
+    if dp_rank is None:
+        dp_rank = os.environ.get("SGLANG_DP_RANK")
+    if dp_rank is None:
+        raise KVCRConfigError(
+            f"--dp-size {dp_size}: this process's DP rank is unknown; run the "
+            "KVCR linker with --dp-size 1"
+        )
+    return int(dp_rank) * attn_dp + attn_rank, dp_size * attn_dp
