@@ -177,6 +177,36 @@ def test_guard_matches_cidrs_names_and_mapped_addresses_and_warns_once(caplog):
     assert len([r for r in caplog.records if "10.2.0.1" in r.getMessage()]) == 1
 
 
+def test_a_hanging_resolver_makes_the_name_unresolvable_within_a_deadline(
+    monkeypatch, caplog
+):
+    """getaddrinfo has no deadline of its own: a name whose lookup hangs is
+    treated as unresolvable after the guard's, and its peers are refused."""
+    import threading
+    import time
+
+    from sglang.srt.mem_cache.storage.kvcr import control_auth
+
+    release = threading.Event()
+    real = control_auth.socket.getaddrinfo
+
+    def hanging(name, *args, **kwargs):
+        if name == "slow.example":
+            release.wait(30)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(control_auth.socket, "getaddrinfo", hanging)
+    monkeypatch.setattr(control_auth, "_RESOLVE_TIMEOUT_S", 0.3)
+    caplog.set_level(logging.WARNING, logger=AUTH_LOGGER)
+    guard = InboundGuard(["slow.example", "127.0.0.1"])
+    started = time.monotonic()
+    guard.load()
+    release.set()
+    assert time.monotonic() - started < 5
+    assert any("slow.example" in r.getMessage() for r in caplog.records)
+    assert guard.allows("127.0.0.1", b"NULL", [])
+
+
 def test_guard_with_curve_refuses_missing_and_unknown_keys(tmp_path):
     a_pub, a_sec = make_keys(tmp_path, "a")
     b_pub, _ = make_keys(tmp_path, "b")

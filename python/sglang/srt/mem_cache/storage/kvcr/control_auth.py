@@ -104,7 +104,7 @@ class InboundGuard:
         addresses: set[_Address] = set()
         for name in self._names:
             try:
-                infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+                infos = _resolve(name, _RESOLVE_TIMEOUT_S)
             except OSError as exc:
                 logger.warning(
                     "KVCR control allowlist host %s does not resolve (%s); no "
@@ -211,6 +211,31 @@ class InboundGuard:
             except (OSError, ValueError) as exc:
                 logger.warning("KVCR control key %s is unreadable: %s", path, exc)
         return self._public
+
+
+_RESOLVE_TIMEOUT_S = 5.0
+
+
+def _resolve(name: str, timeout_s: float) -> list[Any]:
+    """``getaddrinfo`` with a deadline (it has none of its own): a resolver that
+    hangs makes the name unresolvable, so nobody by that name gets in."""
+    done: list[Any] = []
+    failed: list[OSError] = []
+
+    def lookup() -> None:
+        try:
+            done.extend(socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP))
+        except OSError as exc:
+            failed.append(exc)
+
+    worker = threading.Thread(target=lookup, name="kvcr-allowlist-dns", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise OSError(f"no answer within {timeout_s:.0f} s")
+    if failed:
+        raise failed[0]
+    return done
 
 
 def _address(text: str) -> _Address | None:
