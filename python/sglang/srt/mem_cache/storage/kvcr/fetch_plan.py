@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from sglang.srt.mem_cache.hicache_storage import PoolName
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PoolFetch:
@@ -27,8 +29,6 @@ class PoolFetch:
 
 def kv_keys(transfers: list[Any]) -> list[str]:
     """The page hashes of the KV transfer (the tail's pages), in order."""
-    from sglang.srt.mem_cache.hicache_storage import PoolName
-
     for transfer in transfers:
         if transfer.name == PoolName.KV:
             return list(transfer.keys or [])
@@ -38,8 +38,6 @@ def kv_keys(transfers: list[Any]) -> list[str]:
 def window_pages(transfers: list[Any], tail_pages: int) -> int:
     """Pages of the trailing window: the SWA lookup transfer carries the tail's
     last ``ceil(window / page)`` keys (all of them when the tail is shorter)."""
-    from sglang.srt.mem_cache.hicache_storage import PoolName
-
     for transfer in transfers:
         if transfer.name == PoolName.SWA and transfer.keys:
             return len(transfer.keys)

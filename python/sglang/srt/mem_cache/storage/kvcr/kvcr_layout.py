@@ -192,6 +192,19 @@ class PageLayout:
     # The digest's layout half (geometry, pools, page size) as canonical JSON, so
     # with_identity() can re-key the same pools for another model identity.
     layout_payload: str = field(default="", compare=False, repr=False)
+    # Derived from ``pools`` once (the hot paths ask per request).
+    full_pools: tuple[PoolLayout, ...] = field(init=False, compare=False, repr=False)
+    window_pools: tuple[PoolLayout, ...] = field(init=False, compare=False, repr=False)
+    full_names: frozenset[str] = field(init=False, compare=False, repr=False)
+    window_names: frozenset[str] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        full = tuple(p for p in self.pools if not p.trailing)
+        window = tuple(p for p in self.pools if p.trailing)
+        object.__setattr__(self, "full_pools", full)  # pools a restore needs
+        object.__setattr__(self, "window_pools", window)  # trailing window only
+        object.__setattr__(self, "full_names", frozenset(p.name for p in full))
+        object.__setattr__(self, "window_names", frozenset(p.name for p in window))
 
     @classmethod
     def from_kv_pool(
@@ -258,15 +271,6 @@ class PageLayout:
     @property
     def pool_names(self) -> list[str]:
         return [p.name for p in self.pools]
-
-    @property
-    def full_pools(self) -> tuple[PoolLayout, ...]:
-        """Pools a restore needs for every page (the rest: trailing window only)."""
-        return tuple(p for p in self.pools if not p.trailing)
-
-    @property
-    def window_pools(self) -> tuple[PoolLayout, ...]:
-        return tuple(p for p in self.pools if p.trailing)
 
     def make_key(self, page_hash: str, pool: str) -> str:
         """KVCR key of one page of one KVCR pool, tagged with this digest."""

@@ -324,8 +324,8 @@ class Preparations:
         boundaries = prep.restorable(
             start,
             page_hashes,
-            frozenset(p.name for p in layout.full_pools),
-            frozenset(p.name for p in layout.window_pools),
+            layout.full_names,
+            layout.window_names,
             window,
         )
         if not boundaries:
