@@ -479,6 +479,11 @@ def test_random_weights_and_resumed_weights_are_refused_until_a_flush(stack):
         hook(_named(name), manager, req)
         assert stack.linker.weights_pending is changes, (name, req)
         stack.cache.reset()
+    # With a CPU backup of the weights, a resume brings back the same weights.
+    with mock.patch.object(integration, "_weights_backed_up", return_value=True):
+        resume = ResumeMemoryOccupationReqInput(tags=["weights"])
+        hook(_named("resume_memory_occupation"), manager, resume)
+    assert not stack.linker.weights_pending
 
 
 def _named(name: str) -> Any:

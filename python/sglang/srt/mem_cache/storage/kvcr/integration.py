@@ -403,8 +403,20 @@ def _changes_weights(source: str, manager: Any, recv_req: Any) -> bool:
         from sglang.srt.constants import GPU_MEMORY_TYPE_WEIGHTS
 
         tags = getattr(recv_req, "tags", None)
-        return not tags or GPU_MEMORY_TYPE_WEIGHTS in tags
+        weights = not tags or GPU_MEMORY_TYPE_WEIGHTS in tags
+        return weights and not _weights_backed_up()
     return True
+
+
+def _weights_backed_up() -> bool:
+    """Whether released weights are restored from a CPU copy (then a resume
+    brings back exactly the weights that were served)."""
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        return bool(get_exec().features.enable_weights_cpu_backup)
+    except Exception:  # not published in this process: assume no backup
+        return False
 
 
 def _around_commit_completed_offloads(

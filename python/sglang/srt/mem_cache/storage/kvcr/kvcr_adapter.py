@@ -107,6 +107,7 @@ class KVCRAdapter:
         self._results: queue.SimpleQueue[OpDone | InventoryChange] = queue.SimpleQueue()
         self._op_ids = itertools.count(1)
         self.state = AdapterState.STARTING
+        self._state_lock = threading.Lock()  # STARTING -> RUNNING or FAILED, once
         self._failure: BaseException | None = None  # why it FAILED
         self._stats = AdapterStats()
         self._stats_lock = threading.Lock()
@@ -130,7 +131,14 @@ class KVCRAdapter:
         try:
             started.result(timeout=limits.wait_timeout_s)
         except FutureTimeout:
-            self._fail(KVCRTimeoutError("KVCR startup timed out"))
+            with self._state_lock:
+                late = self.state is AdapterState.RUNNING
+                if not late:
+                    self._fail(KVCRTimeoutError("KVCR startup timed out"))
+            if late:  # it came up just now: too late, stop it before raising
+                self._commands.put(_STOP)
+            # Bounded: the caller frees the DRAM this KVCR registered next.
+            self._thread.join(limits.wait_timeout_s)
             raise KVCRUnavailableError(
                 f"KVCR did not start within {limits.wait_timeout_s:.0f} s "
                 "(owner_wait_timeout_s); check host DRAM size and UCX settings"
@@ -309,11 +317,14 @@ class KVCRAdapter:
             self._kvcr, self.endpoint = built.kvcr, built.endpoint
         else:  # a stand-in factory (tests) hands the KVCR alone
             self._kvcr = built
-        if self.state is not AdapterState.STARTING:
+        with self._state_lock:
+            in_time = self.state is AdapterState.STARTING
+            if in_time:
+                self.state = AdapterState.RUNNING
+        if not in_time:
             # Startup timed out meanwhile: nobody will use or close this KVCR.
             self._shutdown()
             return
-        self.state = AdapterState.RUNNING
         started.set_result(None)
         try:
             self._loop()

@@ -163,19 +163,10 @@ class KVCRDram:
             # A transfer may still write the old DRAM: quarantine it with its core
             # and give the new KVCR other memory.
             self.quarantine.add(old_core, self.storage, reclaimable)
-            if self.quarantine.cores > self.max_cores and not self.disabled:
-                self.disabled = True
-                logger.error(
-                    "KVCR: more than max_quarantined_cores=%d DRAM shares "
-                    "quarantined; the KVCR linker restores and stores nothing "
-                    "until a flush finds them quiescent (this worker recomputes)",
-                    self.max_cores,
-                )
+            self._set_disabled(self.quarantine.cores > self.max_cores)
+            sizes = self._page_bytes if self.disabled else self._share_bytes
             self.storage = {
-                name: self.quarantine.take(
-                    name, self._page_bytes[name] if self.disabled else t.numel()
-                )
-                for name, t in self.storage.items()
+                name: self.quarantine.take(name, sizes[name]) for name in self.storage
             }
             logger.error(
                 "KVCR reset: old core not quiescent; %d bytes quarantined",
@@ -189,8 +180,8 @@ class KVCRDram:
                 name: self.quarantine.take(name, nbytes)
                 for name, nbytes in self._share_bytes.items()
             }
-            self.disabled, replaced = False, True
-            logger.info("KVCR: quarantined DRAM reclaimed; the linker works again")
+            self._set_disabled(False)
+            replaced = True
         else:
             for storage in self.storage.values():
                 storage.zero_()
@@ -209,6 +200,18 @@ class KVCRDram:
             logger.info("KVCR: quarantine back under its bound; peer fetches are on")
         self.peer_fetches_off = over
         return replaced
+
+    def _set_disabled(self, disabled: bool) -> None:
+        if disabled and not self.disabled:
+            logger.error(
+                "KVCR: more than max_quarantined_cores=%d DRAM shares quarantined; "
+                "the KVCR linker restores and stores nothing until a flush finds "
+                "them quiescent (this worker recomputes)",
+                self.max_cores,
+            )
+        elif self.disabled and not disabled:
+            logger.info("KVCR: quarantined DRAM reclaimed; the linker works again")
+        self.disabled = disabled
 
     def close(self, quiet: bool, extra: list[torch.Tensor]) -> None:
         """Unlock the DRAM (and ``extra`` buffers) when nothing can touch it any
