@@ -197,6 +197,9 @@ class PageLayout:
     window_pools: tuple[PoolLayout, ...] = field(init=False, compare=False, repr=False)
     full_names: frozenset[str] = field(init=False, compare=False, repr=False)
     window_names: frozenset[str] = field(init=False, compare=False, repr=False)
+    # Bytes of one page's object in each pool (every part), and across pools.
+    object_bytes: dict[str, int] = field(init=False, compare=False, repr=False)
+    page_total: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         full = tuple(p for p in self.pools if not p.trailing)
@@ -205,6 +208,9 @@ class PageLayout:
         object.__setattr__(self, "window_pools", window)  # trailing window only
         object.__setattr__(self, "full_names", frozenset(p.name for p in full))
         object.__setattr__(self, "window_names", frozenset(p.name for p in window))
+        sizes = {p.name: p.page_bytes * len(p.spans) for p in self.pools}
+        object.__setattr__(self, "object_bytes", sizes)
+        object.__setattr__(self, "page_total", sum(sizes.values()))
 
     @classmethod
     def from_kv_pool(

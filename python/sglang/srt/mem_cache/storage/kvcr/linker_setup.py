@@ -152,8 +152,7 @@ def build_resources(
         staging = None
         path = cfg.offload_path
         if path == "staged" or (path == "auto" and device.is_cuda):
-            page_total = sum(p.page_bytes * len(p.spans) for p in layout.pools)
-            cap = cfg.max_inflight_offload_bytes // page_total
+            cap = cfg.max_inflight_offload_bytes // layout.page_total
             staging = HostStaging(
                 layout.pools,
                 dest_rows,

@@ -61,7 +61,6 @@ class Offloader:
         self.stats = stats
         self._device = device
         self._timeout_s = timeout_s
-        self._object_bytes = {p.name: p.page_bytes * len(p.spans) for p in layout.pools}
 
     def offload(
         self,
@@ -131,7 +130,7 @@ class Offloader:
         ]
         groups = [g for g in groups if g.keys]
         record.nbytes = sum(
-            self._object_bytes[g.pool.name] * len(g.keys) for g in groups
+            self.layout.object_bytes[g.pool.name] * len(g.keys) for g in groups
         )
         self.stats.offload_pages += len(kv_keys)
         events = ready_events()  # after every kernel above, on this stream
@@ -188,7 +187,7 @@ class Offloader:
                     deferred,
                     self.layout.block_key,
                     agent,
-                    self._object_bytes,
+                    self.layout.object_bytes,
                     adapter.next_op_id,
                 )
                 deferred.record.pending = len(deposits)

@@ -199,13 +199,12 @@ class Preparations:
             return commands
         self.stats.prepared += 1
         self.stats.prepared_pages += wanted
-        object_bytes = {p.name: p.page_bytes * len(p.spans) for p in layout.pools}
         fetches = plan_fetches(
             page_hashes[:wanted],
             hint.pages,
             residency,
             layout,
-            object_bytes,
+            layout.object_bytes,
             cfg.prepare_chunk_pages,
         )
         envelope = hint.envelope(page_hashes)

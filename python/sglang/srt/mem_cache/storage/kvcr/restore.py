@@ -221,7 +221,7 @@ class Restorer:
         ok = bool(self.counter.finish(index))
         if ok:
             self.stats.restored_bytes += sum(
-                len(pages) * self._page_bytes[name] * len(self._pool(name).spans)
+                len(pages) * self.layout.object_bytes[name]
                 for job in jobs
                 if job.complete
                 for name, pages in job.slots.items()
@@ -350,9 +350,6 @@ class Restorer:
                         part,
                     )
             self.counter.complete(index, layer)
-
-    def _pool(self, name: str) -> Any:
-        return next(p for p in self.layout.pools if p.name == name)
 
 
 def _word_rows(

@@ -320,7 +320,8 @@ def request_hint(
     or when the server's attention ranks span nodes (a hint names one host).
     Each is counted in ``stats``."""
     hint = parser.parse(ctx.kv_hints) if ctx.kv_hints is not None else None
-    if hint is not None and normalize_endpoint(hint.source_endpoint) in own_endpoints:
+    # The parser returns the endpoint in canonical form already.
+    if hint is not None and hint.source_endpoint in own_endpoints:
         stats.hints_self += 1
         hint = None
     elif hint is not None and multi_node:
