@@ -25,24 +25,21 @@ PAGE_BYTES = LAYERS * 2 * PAGE * HEADS * DIM * 2  # every part of one page, bf16
 REPS = 3
 
 
-def make_pool(device="cpu"):
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
-    return MHATokenToKVPool(
-        POOL_PAGES * PAGE,
-        PAGE,
-        torch.bfloat16,
-        HEADS,
-        DIM,
-        LAYERS,
-        device=device,
-        enable_memory_saver=False,
-    )
+def make_pool(device="cpu", layers=LAYERS):
+    return kvcr_stack.mha_pool(POOL_PAGES * PAGE, PAGE, HEADS, DIM, layers, device)
 
 
-def make_linker(pool, forward_stream=None, draft_pools=(), **overrides):
-    """A bare linker over ``pool`` (and sidecar draft pools); ``overrides`` are
-    linker config fields."""
+def make_linker(
+    pool,
+    forward_stream=None,
+    draft_pools=(),
+    *,
+    components=(0,),
+    model="tiny-test",
+    **overrides,
+):
+    """A bare linker over ``pool`` (and sidecar draft pools) serving ``components``
+    of ``model``; ``overrides`` are linker config fields."""
     config = {
         "local_dram_bytes_per_worker": POOL_PAGES * PAGE_BYTES,
         "operation_timeout_ms": 5000,
@@ -54,6 +51,8 @@ def make_linker(pool, forward_stream=None, draft_pools=(), **overrides):
         pool,
         PAGE,
         config,
+        components=components,
+        model=model,
         forward_stream=forward_stream,
         draft="tiny-draft" if draft_pools else None,
         sidecar_draft_device_pools=tuple(draft_pools),

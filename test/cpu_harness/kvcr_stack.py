@@ -10,6 +10,7 @@ as ``sglang/srt/mem_cache/registry.py`` does. Call ``load_plugins()`` first.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -52,7 +53,7 @@ def build_cache(
     """Pool, allocator and cache with the server args published; no linker yet."""
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
@@ -73,16 +74,7 @@ def build_cache(
         kvcache, allocator = _swa_pool(g)
         components = (ComponentType.FULL, ComponentType.SWA)
     else:
-        kvcache = MHATokenToKVPool(
-            g.pool_tokens,
-            g.page,
-            torch.bfloat16,
-            g.heads,
-            g.dim,
-            g.layers,
-            device="cpu",
-            enable_memory_saver=False,
-        )
+        kvcache = mha_pool(g.pool_tokens, g.page, g.heads, g.dim, g.layers)
         allocator = PagedTokenToKVPoolAllocator(
             g.pool_tokens, g.page, torch.bfloat16, "cpu", kvcache, False
         )
@@ -103,32 +95,75 @@ def build_cache(
     )
 
 
-def _swa_pool(g: Geometry) -> tuple[Any, Any]:
-    """An SWAKVPool (even layers full, odd layers windowed) and its allocator."""
-    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+def mha_pool(
+    tokens: int, page: int, heads: int, dim: int, layers: int, device: str = "cpu"
+) -> Any:
+    """A bf16 ``MHATokenToKVPool`` of ``tokens`` slots (``page`` tokens a page)."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    return MHATokenToKVPool(
+        tokens,
+        page,
+        torch.bfloat16,
+        heads,
+        dim,
+        layers,
+        device=device,
+        enable_memory_saver=False,
+    )
+
+
+def swa_kv_pool(
+    tokens: int,
+    page: int,
+    heads: int,
+    dim: int,
+    full_layers: Sequence[int],
+    window_layers: Sequence[int],
+) -> Any:
+    """A bf16 CPU ``SWAKVPool``: ``full_layers`` full attention, ``window_layers``
+    sliding-window, ``tokens`` slots in each sub-pool."""
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
-    kvcache = SWAKVPool(
-        size=g.pool_tokens,
-        size_swa=g.pool_tokens,
-        page_size=g.page,
+    return SWAKVPool(
+        size=tokens,
+        size_swa=tokens,
+        page_size=page,
         dtype=torch.bfloat16,
-        head_num=g.heads,
-        head_dim=g.dim,
-        swa_attention_layer_ids=list(range(1, g.layers, 2)),
-        full_attention_layer_ids=list(range(0, g.layers, 2)),
+        head_num=heads,
+        head_dim=dim,
+        swa_attention_layer_ids=list(window_layers),
+        full_attention_layer_ids=list(full_layers),
         device="cpu",
     )
-    allocator = SWATokenToKVPoolAllocator(
-        size=g.pool_tokens,
-        size_swa=g.pool_tokens,
-        page_size=g.page,
+
+
+def swa_allocator(kvcache: Any, tokens: int, page: int) -> Any:
+    """The ``SWATokenToKVPoolAllocator`` over ``kvcache`` (``tokens`` slots each)."""
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+
+    return SWATokenToKVPoolAllocator(
+        size=tokens,
+        size_swa=tokens,
+        page_size=page,
         dtype=torch.bfloat16,
         device="cpu",
         kvcache=kvcache,
         need_sort=False,
     )
-    return kvcache, allocator
+
+
+def _swa_pool(g: Geometry) -> tuple[Any, Any]:
+    """An SWAKVPool (even layers full, odd layers windowed) and its allocator."""
+    kvcache = swa_kv_pool(
+        g.pool_tokens,
+        g.page,
+        g.heads,
+        g.dim,
+        full_layers=range(0, g.layers, 2),
+        window_layers=range(1, g.layers, 2),
+    )
+    return kvcache, swa_allocator(kvcache, g.pool_tokens, g.page)
 
 
 def create_linker(stack: KVCRStack) -> Any:
@@ -152,6 +187,20 @@ def attach(stack: KVCRStack, linker: Any) -> KVCRStack:
     stack.kvcache.register_layer_transfer_counter(linker.layer_done_counter)
     stack.linker = linker
     return stack
+
+
+def load_back(cache: Any, req: Any) -> Any:
+    """``cache.init_load_back`` for ``req`` as matched (its best node and host hit),
+    as the scheduler calls it when the request is admitted."""
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+    return cache.init_load_back(
+        InitLoadBackParams(
+            best_match_node=req.best_match_node,
+            host_hit_length=req.host_hit_length,
+            req=req,
+        )
+    )
 
 
 def build_stack(

@@ -2,7 +2,9 @@
 checks behind ``kvcr_validate.py``, whose docstring says what each one is).
 
 Every replay is compared with a no-linker control server by greedy output ids and
-by served cached tokens (device and external).
+by served cached tokens (device and external). The linker servers run with
+``--enable-metrics``; before they stop, each one's ``sglang:kvcr_`` metrics are
+scraped from ``/metrics`` and the report ends with those that moved.
 """
 
 from __future__ import annotations
@@ -33,6 +35,27 @@ CHECKS = (
     "dead_peer_control",
 )
 PEER_CHECKS = frozenset(CHECKS[2:])
+METRIC_PREFIX = "sglang:kvcr_"
+
+
+def kvcr_metrics(text: str) -> dict[str, float]:
+    """The nonzero ``sglang:kvcr_`` counters, gauges and histogram counts and sums
+    of a ``/metrics`` page, by name (and own label); SGLang's labels dropped."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    own = ("cause", "reason", "op")
+    moved: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if not s.name.startswith(METRIC_PREFIX) or s.name.endswith(
+                ("_bucket", "_created")
+            ):
+                continue
+            label = ",".join(f"{k}={s.labels[k]}" for k in own if k in s.labels)
+            name = s.name[len(METRIC_PREFIX) :] + (f"{{{label}}}" if label else "")
+            if s.value:
+                moved[name] = moved.get(name, 0.0) + s.value
+    return moved
 
 
 def page_hashes(token_ids: list[int], page: int) -> list[int]:
@@ -52,6 +75,7 @@ class Driver(ServingRun):
         super().__init__(args, "validate")
         self.checks: list[dict[str, Any]] = []
         self.servers: dict[str, harness.ServerHandle] = {}
+        self.metrics: dict[str, dict[str, float]] = {}
         self.selected = set(args.checks.split(",")) if args.checks else set(CHECKS)
 
     def port(self, offset: int) -> int | None:
@@ -68,7 +92,7 @@ class Driver(ServingRun):
         extra = base_server_args(self.args, self.max_total)
         env = server_env(self.args.device)
         if linker is not None:
-            extra += harness.kvcr_linker_args(linker)
+            extra += ["--enable-metrics", *harness.kvcr_linker_args(linker)]
         handle = harness.launch_server(
             extra,
             model_path=self.model,
@@ -148,6 +172,16 @@ class Driver(ServingRun):
             flush=True,
         )
 
+    def record_hit(self, name: str, result: dict[str, Any]) -> None:
+        """A replay that must be served from KVCR (>= 90 % of its aligned tokens)."""
+        passed = result["external_cached_tokens"] >= self.need
+        self.record(name, result, self.controls[name], self.aligned, passed)
+
+    def record_miss(self, name: str, result: dict[str, Any]) -> None:
+        """A replay that must be a clean miss (nothing served from KVCR)."""
+        passed = result["external_cached_tokens"] == 0
+        self.record(name, result, self.controls[name], 0, passed)
+
     def main(self) -> int:
         a = self.args
         self.aligned = page_aligned(a.prompt_len, a.page_size)
@@ -169,22 +203,30 @@ class Driver(ServingRun):
                 if name in self.selected:
                     getattr(self, f"check_{name}")(name)
         finally:
+            self.scrape_metrics()
             for handle in self.servers.values():
                 handle.stop()
         return self.report(time.monotonic() - started)
+
+    def scrape_metrics(self) -> None:
+        """Each live linker server's moved kvcr metrics (after a publish period)."""
+        time.sleep(1.5)  # the linker publishes at most once a second
+        for name, handle in self.servers.items():
+            if name == "control" or not handle.alive():
+                continue
+            try:
+                resp = handle.get("/metrics", timeout=10.0)
+                resp.raise_for_status()
+                self.metrics[name] = kvcr_metrics(resp.text)
+            except Exception as exc:  # the checks' report must still come out
+                print(f"[validate] {name}: /metrics not scraped ({exc})", flush=True)
 
     def check_local_round_trip(self, name: str) -> None:
         """Compute, evict from the device with filler traffic, replay from KVCR."""
         self.run(self.a, self.prompts[name])
         self.fill(self.a)
         r = self.run(self.a, self.prompts[name])
-        self.record(
-            name,
-            r,
-            self.controls[name],
-            self.aligned,
-            r["external_cached_tokens"] >= self.need,
-        )
+        self.record_hit(name, r)
 
     def check_flush_clears_residency(self, name: str) -> None:
         """A flush rebuilds KVCR; the replay is a clean miss."""
@@ -207,20 +249,14 @@ class Driver(ServingRun):
         r = self.run(
             self.b, self.prompts[name], kv_hints=fetch_hint(self.endpoint_a, hashes)
         )
-        self.record(
-            name,
-            r,
-            self.controls[name],
-            self.aligned,
-            r["external_cached_tokens"] >= self.need,
-        )
+        self.record_hit(name, r)
 
     def check_no_hint_control(self, name: str) -> None:
         """A holds the pages, B is not told: a clean miss."""
         self.run(self.a, self.prompts[name])
         time.sleep(1.0)
         r = self.run(self.b, self.prompts[name])
-        self.record(name, r, self.controls[name], 0, r["external_cached_tokens"] == 0)
+        self.record_miss(name, r)
 
     def check_stale_hint_control(self, name: str) -> None:
         """The hint names pages A never computed."""
@@ -228,14 +264,14 @@ class Driver(ServingRun):
         r = self.run(
             self.b, self.prompts[name], kv_hints=fetch_hint(self.endpoint_a, stale)
         )
-        self.record(name, r, self.controls[name], 0, r["external_cached_tokens"] == 0)
+        self.record_miss(name, r)
 
     def check_dead_peer_control(self, name: str) -> None:
         """The hint names an endpoint nobody listens on."""
         dead = f"tcp://127.0.0.1:{harness.free_port()}"
         hashes = page_hashes(self.prompts[name], self.args.page_size)
         r = self.run(self.b, self.prompts[name], kv_hints=fetch_hint(dead, hashes))
-        self.record(name, r, self.controls[name], 0, r["external_cached_tokens"] == 0)
+        self.record_miss(name, r)
 
     def report(self, wall_s: float) -> int:
         stats = {
@@ -266,6 +302,7 @@ class Driver(ServingRun):
             "model_path": self.model,
             "wall_s": round(wall_s, 2),
             "linker_stats": stats,
+            "kvcr_metrics": self.metrics,
             "logs": {name: str(h.log_path) for name, h in self.servers.items()},
             "env": {k: os.environ.get(k, "") for k in ("UCX_NET_DEVICES", "UCX_TLS")},
         }
@@ -280,7 +317,20 @@ class Driver(ServingRun):
                 f"{c['external_cached_tokens']:>9} {c['expected_tokens']:>9} "
                 f"{c['output_matches_control']!s:>15}"
             )
+        self.print_metrics()
         ok = all(c["passed"] for c in self.checks)
         print(f"overall: {'PASS' if ok else 'FAIL'} in {wall_s:.1f} s")
         print(f"REPORT {path}")
         return 0 if ok else 1
+
+    def print_metrics(self) -> None:
+        """What moved, per server, from its /metrics (bytes moved, not only hits)."""
+        if not self.metrics:
+            return
+        print()
+        print(f"kvcr metrics moved ({METRIC_PREFIX}*, scraped from /metrics)")
+        print(f"{'server':<10} {'metric':<52} {'value':>16}")
+        for server, moved in self.metrics.items():
+            for name, number in sorted(moved.items()):
+                shown = f"{number:,.0f}" if number == int(number) else f"{number:.4f}"
+                print(f"{server:<10} {name:<52} {shown:>16}")

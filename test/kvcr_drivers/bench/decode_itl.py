@@ -22,7 +22,6 @@ import itertools
 import json
 import random
 import re
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import requests
+
+from kvcr_drivers.bench.metrics import dist
 
 STATS_STAMP_RE = re.compile(
     r"^\[?(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d)[^\]]*\]?.*?(KVCR_STATS .*)$", re.M
@@ -251,22 +252,13 @@ def prompt_maker(seed: int, length: int, vocab: int) -> Callable[[], list[int]]:
     return lambda: [rng.randrange(3, vocab) for _ in range(length)]
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def itl_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Pooled per-token ITL over every round (p50/p99 in ms)."""
     gaps = [g for r in rounds for g in r["itl_ms"]]
     if not gaps:
         return {"n": 0, "p50": None, "p99": None}
     return {
-        "n": len(gaps),
-        "p50": round(statistics.median(gaps), 4),
-        "p90": round(pct(gaps, 0.90), 4),
-        "p99": round(pct(gaps, 0.99), 4),
-        "max": round(max(gaps), 4),
+        **dist(gaps, digits=4),
         "rounds": len(rounds),
         "background_done_in_window": sum(
             r["background_done_in_window"] for r in rounds

@@ -2,8 +2,10 @@
 
 ``TARGETS`` are the issue's thresholds per metric (None: informational);
 ``metric`` builds the record the report's ``metrics`` list holds and the docs'
-figures table names. ``busy_fraction`` / ``wait_for_quiet`` / ``thread_cpu_pct``
-read /proc so a section can wait for a quiet machine and say what it saw.
+figures table names; ``pct`` / ``dist`` summarize a list of samples (every
+section's and the decode ITL's). ``busy_fraction`` / ``wait_for_quiet`` /
+``thread_cpu_pct`` read /proc (``machine_cpu_ticks``, ``proc_stat``) so a section
+can wait for a quiet machine and say what it saw.
 """
 
 from __future__ import annotations
@@ -16,8 +18,6 @@ import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
-
-from kvcr_drivers.bench.decode_itl import pct
 
 
 @dataclass(frozen=True)
@@ -70,14 +70,20 @@ TARGETS: dict[str, Target | None] = {
 }
 
 
-def dist(values: list[float]) -> dict[str, Any]:
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def dist(values: list[float], digits: int = 3) -> dict[str, Any]:
+    """Count, p50/p90/p99, min and max of ``values``, rounded to ``digits``."""
     return {
         "n": len(values),
-        "p50": round(statistics.median(values), 3),
-        "p90": round(pct(values, 0.9), 3),
-        "p99": round(pct(values, 0.99), 3),
-        "min": round(min(values), 3),
-        "max": round(max(values), 3),
+        "p50": round(statistics.median(values), digits),
+        "p90": round(pct(values, 0.9), digits),
+        "p99": round(pct(values, 0.99), digits),
+        "min": round(min(values), digits),
+        "max": round(max(values), digits),
     }
 
 
@@ -85,12 +91,34 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
+def machine_cpu_ticks() -> list[int]:
+    """Every CPU's summed time by state (the ``cpu`` line of /proc/stat): user,
+    nice, system, idle, iowait, ... in clock ticks."""
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:]]
+
+
+def proc_stat(path: str) -> list[str] | None:
+    """The fields of a process's or thread's /proc ``stat`` file after its name
+    (``[2]`` is its process group), or None when it is gone."""
+    try:
+        with open(path) as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def cpu_ticks(fields: list[str]) -> int:
+    """User + system clock ticks of a ``proc_stat`` row."""
+    return int(fields[11]) + int(fields[12])
+
+
 def busy_fraction(interval_s: float = 1.0) -> float:
     """Share of all CPUs' time not idle over ``interval_s`` (from /proc/stat)."""
 
     def sample() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
+        fields = machine_cpu_ticks()
         return sum(fields), fields[3] + fields[4]  # total, idle + iowait
 
     total0, idle0 = sample()
@@ -117,13 +145,9 @@ def thread_cpu_pct(seconds: float) -> dict[str, float]:
     def ticks() -> dict[int, int]:
         out = {}
         for tid in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{tid}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()
-            out[int(tid)] = int(fields[11]) + int(fields[12])
+            fields = proc_stat(f"/proc/self/task/{tid}/stat")
+            if fields is not None:
+                out[int(tid)] = cpu_ticks(fields)
         return out
 
     hz = os.sysconf("SC_CLK_TCK")

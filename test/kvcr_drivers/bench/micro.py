@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvcr_drivers.bench import plot
 from kvcr_drivers.bench.copy_prepare import bench_copy_and_prepare
 from kvcr_drivers.bench.hint_hooks import bench_hint, bench_hooks
 from kvcr_drivers.bench.metrics import metric, wait_for_quiet
@@ -173,6 +174,7 @@ def report(
         "wall_s": round(wall, 1),
     }
     path.write_text(json.dumps(body, indent=2))
+    picture = plot.write_png(body, path)  # beside the JSON; never raises
     print()
     print(
         f"{'metric':<28} {'value':>10} {'unit':<6} {'baseline':>10} {'ratio':>7} "
@@ -227,6 +229,7 @@ def report(
             f"{copy['restore_scattered_gbps']}; torch index_copy_ of uint8 rows "
             f"{copy['torch_index_copy_gbps']}"
         )
+    print(picture.line())
     ok = all(m["passed"] is not False for m in metrics)
     print(f"overall: {'PASS' if ok else 'FAIL'} in {wall:.1f} s")
     print(f"REPORT {path}")

@@ -14,12 +14,12 @@ import signal
 import statistics
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import requests
 
 from cpu_harness import server as harness
+from kvcr_drivers import cli
 from kvcr_drivers.bench import decode_itl
 
 STATS_RE = re.compile(r"KVCR_STATS .*")
@@ -33,7 +33,8 @@ MIB = 1 << 20
 def add_server_options(
     p: argparse.ArgumentParser, *, prompt_len: int, output_len: int
 ) -> None:
-    """The model, device, page, prompt and pool options of every serving driver."""
+    """The model, device, page, prompt and pool options of every serving driver,
+    with the linker's operation timeout and extra server flags."""
     p.add_argument("--model-path", default="", help="default: the tiny CPU model")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--page-size", type=int, default=16)
@@ -51,6 +52,13 @@ def add_server_options(
         default=0,
         help="fillers per replay (default: enough to cycle the device pool twice)",
     )
+    p.add_argument("--operation-timeout-ms", type=int, default=10000)
+    p.add_argument(
+        "--server-args",
+        default="",
+        help="extra launch_server flags for every server, e.g. "
+        "'--attention-backend fa3' on GPU",
+    )
 
 
 def check_server_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -58,6 +66,8 @@ def check_server_options(p: argparse.ArgumentParser, args: argparse.Namespace) -
         p.error("--prompt-len must cover at least two pages of --page-size")
     if args.output_len < 1:
         p.error("--output-len must be >= 1")
+    if args.operation_timeout_ms < 1:
+        p.error("--operation-timeout-ms must be >= 1")
 
 
 class ServingRun:
@@ -72,10 +82,7 @@ class ServingRun:
         self.model = args.model_path or str(ensure_tiny_model())
         self.vocab = 300 if not args.model_path else 30000
         self.max_total = args.max_total_tokens or 4 * args.prompt_len
-        self.work = (
-            Path(args.report).parent if args.report else harness.cache_dir() / work_name
-        )
-        self.work.mkdir(parents=True, exist_ok=True)
+        self.work = cli.work_dir(args, work_name)
 
     def prompt(self) -> list[int]:
         return [self.rng.randrange(3, self.vocab) for _ in range(self.args.prompt_len)]

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cpu_harness import server as harness
-from kvcr_drivers.bench import decode_itl
+from kvcr_drivers.bench import decode_itl, plot
 from kvcr_drivers.bench.serving import (
     GIB,
     MIB,
@@ -431,6 +431,7 @@ class Bench(ServingRun):
             "env": {k: os.environ.get(k, "") for k in ("UCX_NET_DEVICES", "UCX_TLS")},
         }
         path.write_text(json.dumps(body, indent=2))
+        picture = plot.write_png(body, path)  # beside the JSON; never raises
         print()
         head = (
             f"{'config':<8} {'workload':<13} {'TTFT median ms':>15} {'[min - max]':>21}"
@@ -460,6 +461,7 @@ class Bench(ServingRun):
             print(line)
         for c in checks:
             print(f"check {c['name']}: {'PASS' if c['passed'] else 'FAIL'}")
+        print(picture.line())
         ok = not self.failures
         print(f"overall: {'PASS' if ok else 'FAIL'} in {wall_s:.1f} s")
         print(f"REPORT {path}")

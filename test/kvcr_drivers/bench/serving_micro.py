@@ -16,8 +16,14 @@ from typing import Any
 from cpu_harness import server as harness
 from cpu_harness.tiny_model import ensure_tiny_model
 from kvcr_drivers.bench import decode_itl, serving
-from kvcr_drivers.bench.decode_itl import pct
-from kvcr_drivers.bench.metrics import dist, metric
+from kvcr_drivers.bench.metrics import (
+    cpu_ticks,
+    dist,
+    machine_cpu_ticks,
+    metric,
+    pct,
+    proc_stat,
+)
 from kvcr_drivers.bench.pools import MIB
 
 EXTRA_SERVING_VARIANTS: list[tuple[str, list[str], dict[str, str] | None]] = []
@@ -34,21 +40,15 @@ class CpuMeter:
     def _own(self) -> int:
         ticks = 0
         for entry in os.listdir("/proc"):
-            if not entry.isdigit():
+            fields = proc_stat(f"/proc/{entry}/stat") if entry.isdigit() else None
+            if fields is None:
                 continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()
             if int(entry) == self.me or int(fields[2]) in self.pgids:
-                ticks += int(fields[11]) + int(fields[12])
+                ticks += cpu_ticks(fields)
         return ticks
 
     def snapshot(self) -> tuple[int, int, int]:
-        with open("/proc/stat") as f:
-            cpu = [int(x) for x in f.readline().split()[1:]]
+        cpu = machine_cpu_ticks()
         return sum(cpu), sum(cpu) - cpu[3] - cpu[4], self._own()
 
     @staticmethod
@@ -305,6 +305,19 @@ def bench_serving(
         for handle in servers.values():
             serving.resume(handle)
             handle.stop()
+    zero_hit_details(args, details, rounds, list(servers), metrics)
+
+
+def zero_hit_details(
+    args: argparse.Namespace,
+    details: dict[str, Any],
+    rounds: list[dict[str, Any]],
+    names: list[str],
+    metrics: list[dict[str, Any]],
+) -> None:
+    """The TTFT samples of every round (``{"external_busy", "samples": {variant:
+    stream_ttft(...)}}``) into ``details`` per variant, the medians over the quiet
+    rounds, and the ``zero_hit_ttft_ratio`` metric."""
     if any(s["cached_tokens"] for r in rounds for s in r["samples"].values()):
         raise RuntimeError("a 'unique' prompt was served from cache")
     used = [r for r in rounds if r["external_busy"] <= args.quiet_round_busy]
@@ -313,11 +326,12 @@ def bench_serving(
     details["noisy"] = len(used) < args.ttft_prompts
     if details["noisy"]:
         used = rounds  # never quiet enough: report every round, flagged
-    for name in servers:
-        details[name]["ttft_ms"] = [r["samples"][name]["ttft_ms"] for r in used]
-        details[name]["all_ttft_ms"] = [r["samples"][name]["ttft_ms"] for r in rounds]
+    for name in names:
+        arm = details.setdefault(name, {})
+        arm["ttft_ms"] = [r["samples"][name]["ttft_ms"] for r in used]
+        arm["all_ttft_ms"] = [r["samples"][name]["ttft_ms"] for r in rounds]
     details["external_busy"] = [r["external_busy"] for r in rounds]
-    ttft = {n: details[n]["ttft_ms"] for n in servers}
+    ttft = {n: details[n]["ttft_ms"] for n in names}
     pair_ratios = [k / n for k, n in zip(ttft["kvcr"], ttft["none"], strict=True)]
     details["pair_ratio"] = dist(pair_ratios)
     med = {n: statistics.median(v) for n, v in ttft.items()}

@@ -88,7 +88,7 @@ def scenario_stale_hint(sc: Scenario) -> None:
         "a wholly stale hint is a clean miss", b.lookup("gone", kv_transfer(gone)) == []
     )
     b.finish_request("gone")
-    sc.details["hints"] = b._hints.stats.as_dict()
+    sc.details["hints"] = b.hints.stats.as_dict()
     sc.output_matches_control = matches
     sc.outcome = f"mixed hint hit {hit}; wholly stale hint missed; prepare {took:.3f} s"
     h.finish()
@@ -365,7 +365,7 @@ def scenario_hint_outside_allowlist(
         ]
         for i, (label, lk, listener, endpoint) in enumerate(cases):
             hashes = hashes_for(2, f"allow{i}")
-            before = lk._hints.stats.rejected.copy()
+            before = lk.hints.stats.rejected.copy()
             fetches = lk._adapter.stats().fetches
             handle = lk.prepare_request(
                 ctx(f"allow{i}", fetch_hint(endpoint, hashes)), kv_transfer(hashes)
@@ -384,7 +384,7 @@ def scenario_hint_outside_allowlist(
             )
             counted = {
                 r.value: n - before[r]
-                for r, n in lk._hints.stats.rejected.items()
+                for r, n in lk.hints.stats.rejected.items()
                 if n - before[r]
             }
             sc.check(

@@ -36,7 +36,8 @@ P=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
 EXTRA=(pytest==8.4.2 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0
        hypothesis==6.140.0 attrs==26.1.0 sortedcontainers==2.4.0
        requests==2.34.2 urllib3==2.8.0 idna==3.20 charset-normalizer==3.5.3
-       certifi==2026.10.19.post1 psutil==7.2.2)
+       certifi==2026.10.19.post1 psutil==7.2.2
+       prometheus-client==0.26.0)  # test_kvcr_metrics imports it at collection
 
 [ -x "$TOOL" ] || [ -f "$TOOL" ] || { echo "build_wheelhouse: no wheelhouse tool at $TOOL" >&2; exit 2; }
 mkdir -p "$DEST" "$RAW"

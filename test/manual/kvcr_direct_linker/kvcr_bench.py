@@ -26,8 +26,10 @@ exception line from its log. KVCR restore and offload bandwidth are not derivabl
 from serving (``KVCR_STATS`` lines carry bytes and counts, not copy durations);
 the lines are recorded and ``make bench`` measures bandwidth.
 
-The last line is ``REPORT <path>``. Exits non-zero when a configuration that was
-not a known skip fails, or when a KVCR replay is not served from KVCR.
+The last line is ``REPORT <path>``; a PNG of every TTFT sample per configuration
+lies beside the JSON (``kvcr_drivers/bench/plot.py``; matplotlib, the ``plot``
+extra). Exits non-zero when a configuration that was not a known skip fails, or
+when a KVCR replay is not served from KVCR.
 
 CPU (default): the project's tiny offline model. GPU: ``--device cuda --model-path
 Qwen/Qwen3-0.6B --page-size 64 --prompt-len 3000 --output-len 1`` plus backend
@@ -48,6 +50,7 @@ import sys
 
 import _paths  # noqa: F401  (the repository's test/ on sys.path)
 
+from kvcr_drivers import cli
 from kvcr_drivers.bench.serving import add_server_options, check_server_options
 from kvcr_drivers.bench.serving_bench import Bench
 
@@ -58,28 +61,12 @@ WORKLOADS = ("zero_hit", "evict_replay", "decode_itl")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_server_options(p, prompt_len=1024, output_len=1)
+    cli.add_run_options(p)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument(
-        "--itl-rounds",
-        type=int,
-        default=5,
-        help="decode_itl rounds per config, spread evenly over the reps",
+    cli.add_itl_options(
+        p, rounds=5, rounds_help="decode_itl rounds per config, spread over the reps"
     )
-    p.add_argument("--itl-output-len", type=int, default=96)
     p.add_argument("--itl-fg-prompt-len", type=int, default=64)
-    p.add_argument(
-        "--itl-concurrency",
-        type=int,
-        default=2,
-        help="most background prompts in flight at once",
-    )
-    p.add_argument(
-        "--itl-every-tokens",
-        type=int,
-        default=16,
-        help="one background prompt when the decode starts and after every this "
-        "many of its output tokens",
-    )
     p.add_argument("--zero-hit-per-rep", type=int, default=4)
     p.add_argument("--warmup", type=int, default=3, help="warm-up requests per server")
     p.add_argument(
@@ -109,18 +96,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="KVCR local_dram_bytes_per_worker (default 256 MiB on cpu, 8 GiB on "
         "cuda: enough for the seed plus every filler)",
     )
-    p.add_argument("--operation-timeout-ms", type=int, default=10000)
     p.add_argument(
         "--linker-config",
         default="",
         help="JSON object merged over the KVCR linker config",
     )
-    p.add_argument(
-        "--server-args",
-        default="",
-        help="extra launch_server flags for every config, e.g. '--attention-backend fa3'",
-    )
-    p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument(
         "--stats-wait-s",
@@ -136,30 +116,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run every server at once, one active at a time (others SIGSTOPped), "
         "configurations taking turns per rep (auto: on for cpu, off for cuda)",
     )
-    p.add_argument("--report", default="", help="report path (default under .cache)")
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     for name, choices in (("configs", CONFIGS), ("workloads", WORKLOADS)):
-        chosen = [c for c in getattr(args, name).split(",") if c]
-        unknown = sorted(set(chosen) - set(choices))
-        if unknown or not chosen:
-            p.error(f"--{name}: unknown {unknown}; choose from {list(choices)}")
-        setattr(args, name, [c for c in choices if c in chosen])
+        chosen = cli.comma_list(p, f"--{name}", getattr(args, name), choices)
+        if not chosen:
+            p.error(f"--{name}: choose at least one of {list(choices)}")
+        setattr(args, name, chosen)
     check_server_options(p, args)
+    cli.check_itl_options(p, args)
     if args.reps < 1 or args.zero_hit_per_rep < 1:
         p.error("--reps and --zero-hit-per-rep must be >= 1")
-    if args.itl_rounds < 1 or args.itl_output_len < 8:
-        p.error("--itl-rounds must be >= 1 and --itl-output-len >= 8")
-    if args.itl_concurrency < 1 or args.itl_every_tokens < 1:
-        p.error("--itl-concurrency and --itl-every-tokens must be >= 1")
     if args.itl_fg_prompt_len < 1:
         p.error("--itl-fg-prompt-len must be >= 1")
     if args.warmup < 0 or args.filler_requests < 0 or args.dram_bytes < 0:
         p.error("--warmup, --filler-requests and --dram-bytes must be >= 0")
     if args.hicache_ratio <= 0 or args.hicache_size < 0:
         p.error("--hicache-ratio must be > 0 and --hicache-size >= 0")
-    if args.operation_timeout_ms < 1 or args.stats_wait_s < 0:
-        p.error("--operation-timeout-ms must be >= 1 and --stats-wait-s >= 0")
+    if args.stats_wait_s < 0:
+        p.error("--stats-wait-s must be >= 0")
     if args.max_total_tokens and args.max_total_tokens < args.prompt_len + 64:
         p.error("--max-total-tokens must hold one prompt plus its output")
     if args.interleave == "auto":

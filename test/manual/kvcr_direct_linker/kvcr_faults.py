@@ -34,37 +34,30 @@ from typing import Any
 
 import _paths  # noqa: F401  (the repository's test/ on sys.path)
 
-from cpu_harness import server as harness
+from kvcr_drivers import cli
 from kvcr_drivers.faults.common import Scenario
 from kvcr_drivers.faults.fuzz import run_fuzz
 from kvcr_drivers.faults.soak import run_soak
 from kvcr_drivers.faults.suite import run_fast_scenarios
 from kvcr_drivers.faults.tp2 import run_tp2
 
+PARTS = ("scenarios", "soak", "fuzz", "tp2")
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--report", default="", help="report path (default under .cache)")
+    cli.add_run_options(p)
     p.add_argument("--soak-requests", type=int, default=2000)
     p.add_argument("--soak-warmup", type=int, default=120)
     p.add_argument("--soak-concurrency", type=int, default=4)
     p.add_argument("--fuzz-examples", type=int, default=10_000)
-    p.add_argument("--startup-timeout", type=float, default=300.0)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--skip",
         default="",
-        help="comma-separated parts to skip: scenarios,soak,fuzz,tp2",
+        help=f"comma-separated parts to skip: {','.join(PARTS)}",
     )
     args = p.parse_args(argv)
-    unknown = set(filter(None, args.skip.split(","))) - {
-        "scenarios",
-        "soak",
-        "fuzz",
-        "tp2",
-    }
-    if unknown:
-        p.error(f"--skip: unknown {sorted(unknown)}")
+    cli.comma_list(p, "--skip", args.skip, PARTS)
     if args.soak_requests < 1 or args.fuzz_examples < 1:
         p.error("--soak-requests and --fuzz-examples must be >= 1")
     return args
@@ -75,8 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s"
     )
-    work = Path(args.report).parent if args.report else harness.cache_dir() / "faults"
-    work.mkdir(parents=True, exist_ok=True)
+    work = cli.work_dir(args, "faults")
     skip = set(filter(None, args.skip.split(",")))
     timings: dict[str, float] = {}
     started = time.monotonic()

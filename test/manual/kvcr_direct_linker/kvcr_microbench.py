@@ -53,9 +53,11 @@ Measures, in one run and side by side:
 Before each section it waits (bounded) for the machine to be mostly idle and
 records what it saw. Prints a summary table; the last line is ``REPORT <path>``
 (JSON with a top-level ``metrics`` list of name/value/unit/baseline/ratio/target/
-passed). Exits non-zero when any metric misses its target; informational metrics
-have no target. The sections live in ``test/kvcr_drivers/bench``; the figures of
-the last recorded run are in docs/kvcr_direct_linker.md ("Benchmark figures").
+passed), with a PNG of every sample beside it (``kvcr_drivers/bench/plot.py``;
+matplotlib, the ``plot`` extra). Exits non-zero when any metric misses its target;
+informational metrics have no target. The sections live in
+``test/kvcr_drivers/bench``; the figures of the last recorded run are in
+docs/kvcr_direct_linker.md ("Benchmark figures").
 """
 
 from __future__ import annotations
@@ -63,11 +65,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import _paths  # noqa: F401  (the repository's test/ on sys.path)
 
-from cpu_harness import server as harness
+from kvcr_drivers import cli
 from kvcr_drivers.bench.micro import (
     DEFAULT_SKIP,
     DEFAULT_TRANSFER,
@@ -97,15 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="request sizes in pages for the transfer section (default: 47,256 on "
         "cuda; 47 on cpu, where 256 pages cost minutes and ~12 GB of memory)",
     )
-    p.add_argument("--itl-rounds", type=int, default=8, help="decode_itl rounds")
-    p.add_argument("--itl-output-len", type=int, default=96)
-    p.add_argument("--itl-concurrency", type=int, default=2)
-    p.add_argument(
-        "--itl-every-tokens",
-        type=int,
-        default=16,
-        help="decode_itl: one background prompt per this many decoded tokens",
-    )
+    cli.add_itl_options(p, rounds=8, rounds_help="decode_itl rounds")
     p.add_argument(
         "--itl-stats-wait-s",
         type=float,
@@ -136,7 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ttft-prompt-len", type=int, default=1024)
     p.add_argument("--ttft-page-size", type=int, default=16)
     p.add_argument("--ttft-warmup", type=int, default=5)
-    p.add_argument("--startup-timeout", type=float, default=300.0)
+    cli.add_run_options(p)
     p.add_argument(
         "--quiet-busy",
         type=float,
@@ -159,15 +152,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         + ",".join(SECTION_NAMES)
         + f" (default: {DEFAULT_SKIP['cuda']!r} on cuda, none on cpu)",
     )
-    p.add_argument("--report", default="", help="report path (default under .cache)")
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.quick:
         apply_quick(args, p)
-    sections = set(SECTION_NAMES)
     if args.skip is None:
         args.skip = DEFAULT_SKIP[args.device]
-    args.skip = {s for s in args.skip.split(",") if s}
+    args.skip = set(cli.comma_list(p, "--skip", args.skip, SECTION_NAMES))
     try:
         args.transfer_pages = [
             int(x)
@@ -180,14 +170,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--transfer-pages: page counts must be >= 1")
     if args.device == "cuda" and not cuda_available():
         p.error("--device cuda: torch.cuda.is_available() is False")
-    if args.itl_rounds < 1 or args.itl_output_len < 8 or args.itl_concurrency < 1:
-        p.error("--itl-rounds >= 1, --itl-output-len >= 8, --itl-concurrency >= 1")
-    if args.itl_every_tokens < 1:
-        p.error("--itl-every-tokens must be >= 1")
-    if args.skip - sections:
-        p.error(
-            f"--skip: unknown {sorted(args.skip - sections)}; of {sorted(sections)}"
-        )
+    cli.check_itl_options(p, args)
     for name in ("layers", "heads", "head_dim", "page_size", "request_pages"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -237,8 +220,7 @@ def cuda_available() -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
-    work = Path(args.report).parent if args.report else harness.cache_dir() / "bench"
-    work.mkdir(parents=True, exist_ok=True)
+    work = cli.work_dir(args, "bench")
     metrics, details, load = run_sections(args, work)
     return report(args, work, metrics, details, load, time.monotonic() - started)
 

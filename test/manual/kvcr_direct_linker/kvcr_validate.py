@@ -22,6 +22,7 @@ import sys
 
 import _paths  # noqa: F401  (the repository's test/ on sys.path)
 
+from kvcr_drivers import cli
 from kvcr_drivers.bench.serving import add_server_options, check_server_options
 from kvcr_drivers.validate import CHECKS, Driver
 
@@ -29,6 +30,7 @@ from kvcr_drivers.validate import CHECKS, Driver
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_server_options(p, prompt_len=512, output_len=8)
+    cli.add_run_options(p)
     p.add_argument(
         "--port-base",
         type=int,
@@ -42,24 +44,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=256 << 20,
         help="local_dram_bytes_per_worker for the linker servers",
     )
-    p.add_argument("--startup-timeout", type=float, default=300.0)
-    p.add_argument("--report", default="", help="report path (default under .cache)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--operation-timeout-ms", type=int, default=10000)
-    p.add_argument(
-        "--server-args",
-        default="",
-        help="extra launch_server flags, e.g. '--attention-backend fa3' on GPU",
-    )
     p.add_argument(
         "--checks",
         default="",
         help=f"comma-separated subset of {','.join(CHECKS)} (default: all)",
     )
     args = p.parse_args(argv)
-    unknown = set(filter(None, args.checks.split(","))) - set(CHECKS)
-    if unknown:
-        p.error(f"--checks: unknown {sorted(unknown)}; choose from {list(CHECKS)}")
+    cli.comma_list(p, "--checks", args.checks, CHECKS)
     check_server_options(p, args)
     return args
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,6 +47,19 @@ def fake_python(tmp_path: Path) -> Path:
     )
     fake.chmod(0o755)
     return fake
+
+
+def fake_dry_run(fake_python: Path, report_dir: Path, *args: str, **kw: Any):
+    """``--dry-run`` with the fake interpreter, reporting under ``report_dir``."""
+    return run(
+        "--dry-run",
+        "--python",
+        str(fake_python),
+        "--report-dir",
+        str(report_dir),
+        *args,
+        **kw,
+    )
 
 
 def plan(out: str) -> dict[str, str]:
@@ -157,7 +171,7 @@ def test_empty_wheelhouse_is_refused(tmp_path: Path) -> None:
 
 def test_every_stage_runs_and_reports(tmp_path: Path, fake_python: Path) -> None:
     reports = tmp_path / "reports"
-    proc = run("--dry-run", "--python", str(fake_python), "--report-dir", str(reports))
+    proc = fake_dry_run(fake_python, reports)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = (reports / "summary.txt").read_text()
     for stage in STAGES:
@@ -170,14 +184,7 @@ def test_every_stage_runs_and_reports(tmp_path: Path, fake_python: Path) -> None
 
 def test_failures_continue_and_exit_nonzero(tmp_path: Path, fake_python: Path) -> None:
     reports = tmp_path / "reports"
-    proc = run(
-        "--dry-run",
-        "--python",
-        str(fake_python),
-        "--report-dir",
-        str(reports),
-        env={"FAKE_RC": "5"},
-    )
+    proc = fake_dry_run(fake_python, reports, env={"FAKE_RC": "5"})
     assert proc.returncode == 1, proc.stdout + proc.stderr
     # pytest's exit 5 (no gpu tests without CUDA) is expected in the dry run only.
     assert "STAGE env FAIL rc=1" in proc.stdout
@@ -214,12 +221,9 @@ def test_gpu_mode_install_and_no_gpu_tests_fail(
 
 
 def test_stage_timeout_is_enforced(tmp_path: Path, fake_python: Path) -> None:
-    proc = run(
-        "--dry-run",
-        "--python",
-        str(fake_python),
-        "--report-dir",
-        str(tmp_path),
+    proc = fake_dry_run(
+        fake_python,
+        tmp_path,
         "--stages",
         "env",
         env={"FAKE_SLEEP": "30", "GPU_CHECK_TIMEOUT_ENV": "1"},
@@ -233,12 +237,9 @@ def test_stage_timeout_is_enforced(tmp_path: Path, fake_python: Path) -> None:
 
 def test_leftover_processes_are_ended(tmp_path: Path, fake_python: Path) -> None:
     pids = tmp_path / "pids"
-    proc = run(
-        "--dry-run",
-        "--python",
-        str(fake_python),
-        "--report-dir",
-        str(tmp_path / "r"),
+    proc = fake_dry_run(
+        fake_python,
+        tmp_path / "r",
         "--stages",
         "gpu-tests",
         env={"FAKE_DETACH": str(pids)},

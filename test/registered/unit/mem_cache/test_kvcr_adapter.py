@@ -9,17 +9,18 @@ import pytest
 import torch
 
 from cpu_harness import kvcr_stack
+from cpu_harness.kvcr_pages import wait_until
 from sglang.srt.mem_cache.storage.kvcr.errors import (
     KVCRAdapterFailed,
     KVCRUnavailableError,
 )
-from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import (
+from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import KVCRAdapter
+from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import (
     AdapterLimits,
     Deposit,
     EntryStatus,
     Fetch,
     InventoryChange,
-    KVCRAdapter,
     OpDone,
     Release,
 )
@@ -63,6 +64,19 @@ def _wait_for(adapter: KVCRAdapter, op_id: int, timeout: float = 10.0) -> OpDone
     raise AssertionError(f"op {op_id} did not complete in {timeout} s; saw {seen}")
 
 
+def _release_all(adapter: KVCRAdapter, claims: list) -> None:
+    """Release ``claims`` (the adapter's first releases); KVCR then counts exactly
+    that many released (bounded wait)."""
+    adapter.submit(Release(tuple(claims)))
+    assert adapter.wait_idle(5.0)
+    wait_until(
+        lambda: adapter.stats().claims_released >= len(claims),
+        timeout=5,
+        what="claims released",
+    )
+    assert adapter.stats().claims_released == len(claims)
+
+
 @pytest.fixture
 def buffers():
     torch.manual_seed(0)
@@ -103,13 +117,7 @@ def test_deposit_fetch_release_round_trip_is_byte_exact(buffers):
             entry = done.entries[_key(i)]
             assert entry.status is EntryStatus.SUCCESS and entry.claim is not None
             assert torch.equal(slots[entry.slots[0].element_index], fw[i])
-        claims = tuple(done.entries[_key(i)].claim for i in range(3))
-        adapter.submit(Release(claims))
-        assert adapter.wait_idle(5.0)
-        deadline = time.monotonic() + 5
-        while adapter.stats().claims_released < 3 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert adapter.stats().claims_released == 3
+        _release_all(adapter, [done.entries[_key(i)].claim for i in range(3)])
     finally:
         adapter.close()
 
@@ -150,12 +158,7 @@ def test_every_kvcr_call_runs_on_the_owner_thread(buffers):
         )
         entry = _wait_for(adapter, op).entries[_key(1)]
         assert entry.status is EntryStatus.SUCCESS and entry.claim is not None
-        adapter.submit(Release((entry.claim,)))
-        assert adapter.wait_idle(5.0)
-        deadline = time.monotonic() + 5
-        while adapter.stats().claims_released < 1 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert adapter.stats().claims_released == 1
+        _release_all(adapter, [entry.claim])
     finally:
         adapter.close()
     assert {name for name, _ in calls} == set(SPIED), calls

@@ -1,10 +1,16 @@
-"""KVCRLinkerConfig: every bad value fails with one line naming the field and the fix."""
+"""KVCRLinkerConfig: every bad value fails with one line naming the field and the fix.
+
+The same bad values also go through SGLang's own command-line parse
+(``prepare_server_args`` with the plugins loaded, in-process): each ends it with
+status 2 and that one line, as ``<prog>: error: ...``, on stderr.
+"""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from sglang.srt.mem_cache.storage.kvcr import config as cfgmod
+from sglang.srt.mem_cache.storage.kvcr import config_checks, startup_errors
 from sglang.srt.mem_cache.storage.kvcr.config import KVCRLinkerConfig
 from sglang.srt.mem_cache.storage.kvcr.errors import KVCRConfigError
 
@@ -28,83 +35,216 @@ def test_minimal_config_parses_with_documented_defaults():
         cfg.control_port = 5  # type: ignore[misc]
 
 
-@pytest.mark.parametrize(
-    ("raw", "needles"),
-    [
-        ({}, ["local_dram_bytes_per_worker", "is required", "8589934592"]),
-        (
-            {"local_dram_bytes": 1 << 30},
-            ["local_dram_bytes", "rename it to local_dram_bytes_per_worker"],
-        ),
-        ({**GOOD, "dram_gb": 4}, ["unknown fields", "dram_gb", "remove"]),
-        ({"local_dram_bytes_per_worker": 0}, ["local_dram_bytes_per_worker", ">= 1"]),
-        ({"local_dram_bytes_per_worker": -5}, ["local_dram_bytes_per_worker", ">= 1"]),
-        (
-            {"local_dram_bytes_per_worker": "8G"},
-            ["local_dram_bytes_per_worker", "integer"],
-        ),
-        (
-            {"local_dram_bytes_per_worker": True},
-            ["local_dram_bytes_per_worker", "integer"],
-        ),
-        ([1, 2], ["must be a JSON object", "list"]),
-        ("not json", ["not valid JSON"]),
-        ({**GOOD, "control_port": 70000}, ["control_port", "[0, 65535]"]),
-        ({**GOOD, "operation_timeout_ms": 0}, ["operation_timeout_ms", ">= 1"]),
-        (
-            {**GOOD, "operation_timeout_ms": 1000, "abandon_timeout_ms": 1500},
-            ["abandon_timeout_ms", ">= 2 x operation_timeout_ms", "2000"],
-        ),
-        (
-            {**GOOD, "control_bind_host": "0.0.0.0"},
-            ["control_advertise_host", "required"],
-        ),
-        ({**GOOD, "control_advertise_host": "0.0.0.0"}, ["control_advertise_host"]),
-        ({**GOOD, "eviction_policy": "mru"}, ["eviction_policy", "lru"]),
-        ({**GOOD, "nixl_progress_thread": "yes"}, ["nixl_progress_thread"]),
-        ({**GOOD, "owner_wait_timeout_s": -1}, ["owner_wait_timeout_s"]),
-        (
-            {**GOOD, "peer_endpoint_allowlist": ["10.0.0.0/8:0-9"]},
-            ["peer_endpoint_allowlist", "ports"],
-        ),
-        (
-            {**GOOD, "peer_endpoint_allowlist": "10.0.0.1"},
-            ["peer_endpoint_allowlist", "list"],
-        ),
-    ],
-    ids=[
-        "missing-size",
-        "legacy-key",
-        "unknown-key",
-        "zero-size",
-        "negative-size",
-        "string-size",
-        "bool-size",
-        "not-object",
-        "not-json",
-        "port-range",
-        "zero-timeout",
-        "abandon-too-small",
-        "wildcard-bind",
-        "wildcard-advertise",
-        "bad-policy",
-        "bad-bool",
-        "bad-owner-wait",
-        "bad-port-range",
-        "allowlist-not-list",
-    ],
-)
+# Every bad value these tests feed the parser, with what its one line must say;
+# the command-line test below feeds each one through SGLang's own parse too.
+BAD_CONFIGS = [
+    ({}, ["local_dram_bytes_per_worker", "is required", "8589934592"]),
+    (
+        {"local_dram_bytes": 1 << 30},
+        ["local_dram_bytes", "rename it to local_dram_bytes_per_worker"],
+    ),
+    ({**GOOD, "dram_gb": 4}, ["unknown fields", "dram_gb", "remove"]),
+    ({"local_dram_bytes_per_worker": 0}, ["local_dram_bytes_per_worker", ">= 1"]),
+    ({"local_dram_bytes_per_worker": -5}, ["local_dram_bytes_per_worker", ">= 1"]),
+    (
+        {"local_dram_bytes_per_worker": "8G"},
+        ["local_dram_bytes_per_worker", "integer"],
+    ),
+    (
+        {"local_dram_bytes_per_worker": True},
+        ["local_dram_bytes_per_worker", "integer"],
+    ),
+    ([1, 2], ["must be a JSON object", "list"]),
+    ("not json", ["not valid JSON"]),
+    ({**GOOD, "control_port": 70000}, ["control_port", "[0, 65535]"]),
+    ({**GOOD, "operation_timeout_ms": 0}, ["operation_timeout_ms", "in [1, 3600000]"]),
+    # Past an hour (the fuzz test also draws ints past Python's int-to-str limit,
+    # which once crashed the abandon_timeout_ms message that doubles it).
+    ({**GOOD, "operation_timeout_ms": 10**30}, ["operation_timeout_ms", "bits"]),
+    (
+        {**GOOD, "operation_timeout_ms": 1000, "abandon_timeout_ms": 1500},
+        ["abandon_timeout_ms", ">= 2 x operation_timeout_ms", "2000"],
+    ),
+    (
+        {**GOOD, "control_bind_host": "0.0.0.0"},
+        ["control_advertise_host", "required"],
+    ),
+    ({**GOOD, "control_advertise_host": "0.0.0.0"}, ["control_advertise_host"]),
+    ({**GOOD, "eviction_policy": "mru"}, ["eviction_policy", "lru"]),
+    ({**GOOD, "nixl_progress_thread": "yes"}, ["nixl_progress_thread"]),
+    ({**GOOD, "owner_wait_timeout_s": -1}, ["owner_wait_timeout_s"]),
+    (
+        {**GOOD, "peer_endpoint_allowlist": ["10.0.0.0/8:0-9"]},
+        ["peer_endpoint_allowlist", "ports"],
+    ),
+    (
+        {**GOOD, "peer_endpoint_allowlist": "10.0.0.1"},
+        ["peer_endpoint_allowlist", "list"],
+    ),
+    (
+        {**GOOD, "control_curve_secret_key_file": "/nonexistent/worker.key_secret"},
+        ["control_curve_public_keys_dir", "is required", "set both or neither"],
+    ),
+]
+BAD_CONFIG_IDS = [
+    "missing-size",
+    "legacy-key",
+    "unknown-key",
+    "zero-size",
+    "negative-size",
+    "string-size",
+    "bool-size",
+    "not-object",
+    "not-json",
+    "port-range",
+    "zero-timeout",
+    "huge-timeout",
+    "abandon-too-small",
+    "wildcard-bind",
+    "wildcard-advertise",
+    "bad-policy",
+    "bad-bool",
+    "bad-owner-wait",
+    "bad-port-range",
+    "allowlist-not-list",
+    "curve-half-set",
+]
+
+
+def flag_text(raw: object) -> str:
+    """What the flag carries for a case: its JSON text (a str case is not JSON)."""
+    return raw if isinstance(raw, str) else json.dumps(raw)
+
+
+@pytest.mark.parametrize(("raw", "needles"), BAD_CONFIGS, ids=BAD_CONFIG_IDS)
 def test_bad_config_fails_with_one_line_naming_field_and_fix(raw, needles):
     """Each bad value raises KVCRConfigError: one line, flag and field named."""
     with pytest.raises(KVCRConfigError) as info:
-        KVCRLinkerConfig.from_startup_config(
-            "kvcr", json.dumps(raw) if raw != "not json" else raw
-        )
+        KVCRLinkerConfig.from_startup_config("kvcr", flag_text(raw))
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith("--unified-cache-external-linker-config")
     for needle in needles:
         assert needle in message, message
+
+
+# ---- the same cases on the command line (SGLang's own parse, in-process) ----------
+
+PROG = "sglang serve"  # the prog prepare_server_args gives its parser
+
+
+def linker_flags(config_text: str | None, backend: str = "kvcr") -> list[str]:
+    flags = ["--unified-cache-external-linker-backend", backend]
+    if config_text is not None:
+        flags += ["--unified-cache-external-linker-config", config_text]
+    return ["--enable-unified-cache-external-linker", *flags]
+
+
+@pytest.fixture(scope="module")
+def parse_command_line():
+    """``prepare_server_args``, the parse ``python -m sglang.launch_server`` and
+    ``sglang serve`` run first, with the plugins loaded as they load them."""
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+
+    load_plugins()
+    root = logging.getLogger()
+    saved = (root.level, list(root.handlers))  # a successful parse resets logging
+
+    def parse(*flags: str):
+        return prepare_server_args(["--model-path", "dummy", "--device", "cpu", *flags])
+
+    yield parse
+    root.handlers[:] = saved[1]
+    root.setLevel(saved[0])
+
+
+def refused_at_parse(parse, capsys, *flags: str) -> str:
+    """Parse ``flags``; assert argparse's exit status and return stderr."""
+    with pytest.raises(SystemExit) as info:
+        parse(*flags)
+    out, err = capsys.readouterr()
+    assert info.value.code == 2, err
+    assert out == ""
+    return err
+
+
+@pytest.mark.parametrize(("raw", "needles"), BAD_CONFIGS, ids=BAD_CONFIG_IDS)
+def test_bad_config_on_the_command_line_is_one_error_line_and_status_2(
+    parse_command_line, capsys, raw, needles
+):
+    """Each bad value ends the parse as argparse would (status 2), with exactly
+    one ``<prog>: error:`` line on stderr carrying the config's own message: no
+    traceback and no 470-line usage block."""
+    with pytest.raises(KVCRConfigError) as info:
+        KVCRLinkerConfig.from_startup_config("kvcr", flag_text(raw))
+    err = refused_at_parse(parse_command_line, capsys, *linker_flags(flag_text(raw)))
+    assert err == f"{PROG}: error: {info.value}\n"
+    assert all(needle in err for needle in needles), err
+
+
+def test_the_dynamic_route_topology_and_tree_core_refusals_are_one_line(
+    parse_command_line, capsys, monkeypatch
+):
+    """The other refusals a launch makes from its flags end the parse the same
+    way: the KVCR config under the stock dynamic backend, a parallel layout the
+    linker cannot describe, and another radix tree core."""
+    dynamic = {
+        "linker": cfgmod.LINKER_CLASS_NAME,
+        "linker_module_path": cfgmod.LINKER_MODULE_PATH,
+        "linker_extra_config": {"local_dram_bytes_per_worker": 0},
+    }
+    flags = linker_flags(json.dumps(dynamic), backend="dynamic")
+    err = refused_at_parse(parse_command_line, capsys, *flags)
+    assert err.startswith(f"{PROG}: error: {cfgmod.FLAG}: field ")
+    assert "'local_dram_bytes_per_worker' must be >= 1" in err
+    assert err.count("\n") == 1
+    good = linker_flags(json.dumps(GOOD))
+    err = refused_at_parse(parse_command_line, capsys, *good, "--pp-size", "2")
+    assert err.startswith(f"{PROG}: error: {cfgmod.BACKEND_FLAG} kvcr does not ")
+    assert "--pp-size 2" in err and "run with --pp-size 1" in err
+    assert err.count("\n") == 1
+    monkeypatch.setenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "cpp")
+    err = refused_at_parse(parse_command_line, capsys, *good)
+    assert err.startswith(f"{PROG}: error: the KVCR linker needs ")
+    assert "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python (got 'cpp')" in err
+    assert err.count("\n") == 1
+
+
+def test_a_config_for_a_disabled_kvcr_linker_is_still_checked(
+    parse_command_line, capsys
+):
+    """As SGLang does for ``dynamic``: a config given with the kvcr backend is
+    checked even while the linker is off; no config, nothing to check."""
+    flags = ["--unified-cache-external-linker-backend", "kvcr"]
+    bad = [*flags, "--unified-cache-external-linker-config", "{}"]
+    err = refused_at_parse(parse_command_line, capsys, *bad)
+    assert "'local_dram_bytes_per_worker' is required" in err
+    assert err.count("\n") == 1
+    args = parse_command_line(*flags)
+    assert args.unified_cache_external_linker_config is None
+
+
+def test_good_configs_parse_and_other_backends_keep_argparse_errors(
+    parse_command_line, capsys
+):
+    """A good config comes back decoded; a bad JSON value for a backend that is
+    not KVCR's gets argparse's own error, usage block and all, as without the
+    plugin; and nothing undecoded ever reaches ``ServerArgs``."""
+    args = parse_command_line(*linker_flags(json.dumps(GOOD)))
+    assert args.unified_cache_external_linker_config == GOOD
+    assert args.unified_cache_external_linker_backend == "kvcr"
+    for backend in ("mooncake", "dynamic"):
+        err = refused_at_parse(
+            parse_command_line, capsys, *linker_flags("{bad", backend=backend)
+        )
+        lines = err.splitlines()
+        assert lines[0].startswith(f"usage: {PROG} "), lines[0]
+        assert lines[-1] == (
+            f"{PROG}: error: argument {cfgmod.FLAG}: invalid loads value: '{{bad'"
+        )
+    mooncake = parse_command_line(*linker_flags('{"a": 1}', backend="mooncake"))
+    assert mooncake.unified_cache_external_linker_config == {"a": 1}
 
 
 def test_dynamic_backend_reads_linker_extra_config():
@@ -143,7 +283,8 @@ def test_every_field_is_documented():
 
 
 def test_config_module_imports_nothing_heavy():
-    """The config and plugin modules import neither kvcr nor nixl, and config only stdlib."""
+    """The config and plugin modules import neither kvcr nor nixl, and the config
+    and startup-error modules only the stdlib."""
     code = (
         "import sys; import sglang.srt.mem_cache.storage.kvcr.config; "
         "import sglang.srt.mem_cache.storage.kvcr.plugin; "
@@ -157,14 +298,17 @@ def test_config_module_imports_nothing_heavy():
         check=True,
     )
     assert out.stdout.strip() == ""
-    tree = ast.parse(Path(cfgmod.__file__).read_text())
-    imported = {
-        (node.module if isinstance(node, ast.ImportFrom) else alias.name).split(".")[0]
-        for node in ast.walk(tree)
-        if isinstance(node, (ast.Import, ast.ImportFrom))
-        for alias in node.names
-    }
-    assert imported <= set(sys.stdlib_module_names) | {"sglang"}, imported
+    for module in (cfgmod, config_checks, startup_errors):
+        tree = ast.parse(Path(module.__file__).read_text())
+        imported = {
+            (node.module if isinstance(node, ast.ImportFrom) else alias.name).split(
+                "."
+            )[0]
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+            for alias in node.names
+        }
+        assert imported <= set(sys.stdlib_module_names) | {"sglang"}, imported
 
 
 def test_package_module_file_is_this_repo_and_sglang_is_the_release():
@@ -182,13 +326,17 @@ def test_package_module_file_is_this_repo_and_sglang_is_the_release():
 
 
 def test_docs_reference_every_config_field_with_its_default():
-    """docs/kvcr_direct_linker.md has a row per field, with the class's default."""
+    """docs/kvcr_direct_linker.md has a row per field, with the class's default,
+    in its configuration reference (other tables of the page are not read)."""
     doc = (
         Path(__file__).resolve().parents[4] / "docs" / "kvcr_direct_linker.md"
     ).read_text()
+    heading = "## Configuration reference\n"
+    assert heading in doc
+    section = doc.split(heading, 1)[1].split("\n## ", 1)[0]
     rows = {
         line.split("|")[1].strip().strip("`"): line.split("|")[2].strip()
-        for line in doc.splitlines()
+        for line in section.splitlines()
         if line.startswith("| `")
     }
     for field in dataclasses.fields(KVCRLinkerConfig):

@@ -86,6 +86,17 @@ def key_dir(tmp_path, name, **as_host):
     return str(directory)
 
 
+def curve(tmp_path, name, secret, trusted):
+    """CURVE linker options: ``secret`` as this worker's key, and a key directory
+    (``<name>_dir``) trusting the public key file ``trusted`` as 127.0.0.1."""
+    return {
+        "control_curve_secret_key_file": secret,
+        "control_curve_public_keys_dir": key_dir(
+            tmp_path, f"{name}_dir", **{"127.0.0.1": trusted}
+        ),
+    }
+
+
 # ---- real kvcr + NIXL over loopback -------------------------------------------------
 
 
@@ -124,32 +135,15 @@ def test_with_curve_only_a_peer_holding_an_allowed_key_hits(source, tmp_path):
     a_pub, a_sec = make_keys(tmp_path, "a")
     b_pub, b_sec = make_keys(tmp_path, "b")
     _, c_sec = make_keys(tmp_path, "c")
-    a = source(
-        control_curve_secret_key_file=a_sec,
-        control_curve_public_keys_dir=key_dir(
-            tmp_path, "a_dir", **{"127.0.0.1": b_pub}
-        ),
-    )
-    stranger = make_linker(
-        make_pool("cpu"),
-        control_curve_secret_key_file=c_sec,
-        control_curve_public_keys_dir=key_dir(
-            tmp_path, "c_dir", **{"127.0.0.1": a_pub}
-        ),
-    )
+    a = source(**curve(tmp_path, "a", a_sec, b_pub))
+    stranger = make_linker(make_pool("cpu"), **curve(tmp_path, "c", c_sec, a_pub))
     try:
         assert pull(a, stranger, "stranger") == []
         wait_until(lambda: refused(a) >= 1, what="unknown key counted")
     finally:
         stranger.close()
     before = refused(a)
-    keyed = make_linker(
-        make_pool("cpu"),
-        control_curve_secret_key_file=b_sec,
-        control_curve_public_keys_dir=key_dir(
-            tmp_path, "b_dir", **{"127.0.0.1": a_pub}
-        ),
-    )
+    keyed = make_linker(make_pool("cpu"), **curve(tmp_path, "b", b_sec, a_pub))
     try:
         assert pull(a, keyed, "keyed") == [1, 2]
         assert refused(keyed) == 0

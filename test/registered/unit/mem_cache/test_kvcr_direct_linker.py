@@ -19,6 +19,7 @@ from cpu_harness.kvcr_pages import (
     make_pool,
     offload_and_commit,
     page_bytes,
+    prepare,
     restore,
     wait_until,
 )
@@ -36,18 +37,6 @@ def page_hashes(n, salt="a"):
     return hashes_for(n, salt)
 
 
-@pytest.fixture
-def pool():
-    return make_pool()
-
-
-@pytest.fixture
-def linker(pool):
-    lk = make_linker(pool)
-    yield lk
-    lk.close()
-
-
 def test_offload_then_restore_into_other_slots_is_byte_exact(pool, linker):
     """Pages round-trip device -> KVCR DRAM -> other device slots bit for bit."""
     fill_pages(pool, [1, 2, 3], seed=1)
@@ -57,9 +46,7 @@ def test_offload_then_restore_into_other_slots_is_byte_exact(pool, linker):
     assert offload_and_commit(linker, hashes, [1, 2, 3]) is True
     fill_pages(pool, [1, 2, 3], seed=2)  # the device copy is gone
 
-    handle = linker.prepare_request(LinkerRequestContext("r1"), kv_transfer(hashes))
-    wait_until(lambda: linker.preparation_ready(handle), what="preparation")
-    assert linker.lookup("r1", kv_transfer(hashes)) == [1, 2, 3]
+    prepare(linker, "r1", hashes)
     assert restore(linker, "r1", hashes, [10, 11, 12]) is True
     for original, page in zip(originals, (10, 11, 12)):
         assert torch.equal(page_bytes(pool, page), original)
@@ -79,9 +66,7 @@ def test_gpu_restore_branch_gathers_byte_exact_on_cpu(pool, linker):
     originals = [page_bytes(pool, p).clone() for p in (1, 2, 3)]
     untouched = page_bytes(pool, 25).clone()
     assert offload_and_commit(linker, hashes, [1, 2, 3]) is True
-    handle = linker.prepare_request(LinkerRequestContext("g"), kv_transfer(hashes))
-    wait_until(lambda: linker.preparation_ready(handle), what="preparation")
-    assert linker.lookup("g", kv_transfer(hashes)) == [1, 2, 3]
+    prepare(linker, "g", hashes)
     assert restore(linker, "g", hashes, [21, 23, 22]) is True
     for original, page in zip(originals, (21, 23, 22), strict=True):
         assert torch.equal(page_bytes(pool, page), original)
@@ -136,9 +121,7 @@ def test_abort_during_preparation_releases_every_claim(pool, linker):
     assert linker.lookup("ab", kv_transfer(hashes)) == []
     assert time.monotonic() - started < 0.1
     assert linker.stats.miss_unprepared == 1 and linker.claims_held() == 0
-    handle = linker.prepare_request(LinkerRequestContext("ab"), kv_transfer(hashes))
-    wait_until(lambda: linker.preparation_ready(handle), what="preparation")
-    assert linker.lookup("ab", kv_transfer(hashes)) == [1, 2, 3]
+    prepare(linker, "ab", hashes)
     assert linker.claims_held() == 3
     linker.finish_request("ab")
     assert linker.claims_held() == 0
@@ -237,9 +220,7 @@ def test_split_offload_has_one_fifo_result_and_restores_every_page(pool, monkeyp
         assert offload_and_commit(lk, hashes, [1, 2, 3]) is True
         assert lk.num_completed_offloads() == 0
         assert lk._adapter.stats().deposits - before == 2
-        handle = lk.prepare_request(LinkerRequestContext("sp"), kv_transfer(hashes))
-        wait_until(lambda: lk.preparation_ready(handle), what="preparation")
-        assert lk.lookup("sp", kv_transfer(hashes)) == [1, 2, 3]
+        prepare(lk, "sp", hashes)
         assert restore(lk, "sp", hashes, [30, 31, 32]) is True
         for original, page in zip(originals, (30, 31, 32), strict=True):
             assert torch.equal(page_bytes(pool, page), original)
@@ -362,9 +343,7 @@ def test_abandoned_fetch_bytes_bound_refuses_new_preparations(pool):
         # Once KVCR answers, the late claims are released and the bound clears.
         wait_until(lambda: (lk._pump(), lk.abandoned_bytes() == 0)[1], what="drain")
         assert lk.claims_held() == 0
-        handle = lk.prepare_request(LinkerRequestContext("again"), kv_transfer(hashes))
-        wait_until(lambda: lk.preparation_ready(handle), what="prepare")
-        assert lk.lookup("again", kv_transfer(hashes)) == [1, 2]
+        prepare(lk, "again", hashes)
     finally:
         gate.set()
         lk.close()
@@ -375,9 +354,7 @@ def test_releasing_a_request_with_a_queued_load_releases_its_claims(pool, linker
     fill_pages(pool, [1, 2], seed=13)
     hashes = page_hashes(2, "queued")
     assert offload_and_commit(linker, hashes, [1, 2]) is True
-    handle = linker.prepare_request(LinkerRequestContext("q"), kv_transfer(hashes))
-    wait_until(lambda: linker.preparation_ready(handle), what="prepare")
-    assert linker.lookup("q", kv_transfer(hashes)) == [1, 2]
+    prepare(linker, "q", hashes)
     assert linker.load("q", kv_transfer(hashes, [40, 41])) is True
     before = linker._adapter.stats().claims_released
     linker.release_request("q")
@@ -402,9 +379,7 @@ def test_reset_forgets_what_the_old_core_owed(pool):
         lk.reset()
         assert lk.abandoned_bytes() == 0
         assert offload_and_commit(lk, hashes, [1, 2]) is True
-        handle = lk.prepare_request(LinkerRequestContext("after"), kv_transfer(hashes))
-        wait_until(lambda: lk.preparation_ready(handle), what="prepare")
-        assert lk.lookup("after", kv_transfer(hashes)) == [1, 2]
+        prepare(lk, "after", hashes)
         assert lk.stats.refused_abandoned == 0
     finally:
         lk.close()
@@ -423,9 +398,7 @@ def test_sidecar_draft_pool_pages_round_trip_with_the_target_pages(pool):
         ]
         hashes = page_hashes(2, "dr")
         assert offload_and_commit(lk, hashes, [1, 2]) is True
-        handle = lk.prepare_request(LinkerRequestContext("dr"), kv_transfer(hashes))
-        wait_until(lambda: lk.preparation_ready(handle), what="prepare")
-        assert lk.lookup("dr", kv_transfer(hashes)) == [1, 2]
+        prepare(lk, "dr", hashes)
         assert restore(lk, "dr", hashes, [7, 8]) is True
         for (kv_bytes, draft_bytes), page in zip(want, (7, 8)):
             assert torch.equal(page_bytes(pool, page), kv_bytes)
@@ -518,9 +491,7 @@ def test_a_failed_restore_copy_fails_the_batch_and_stops_new_restores(pool, link
     fill_pages(pool, [1, 2], seed=17)
     hashes = page_hashes(2, "cf")
     assert offload_and_commit(linker, hashes, [1, 2]) is True
-    handle = linker.prepare_request(LinkerRequestContext("cf"), kv_transfer(hashes))
-    wait_until(lambda: linker.preparation_ready(handle), what="prepare")
-    assert linker.lookup("cf", kv_transfer(hashes)) == [1, 2]
+    prepare(linker, "cf", hashes)
 
     def broken(*args):
         raise RuntimeError("injected copy failure at layer 1")

@@ -36,7 +36,7 @@ from cpu_harness.kvcr_pages import (
 )
 from sglang.srt.mem_cache.storage.kvcr import integration
 from sglang.srt.mem_cache.storage.kvcr import restore as restore_mod
-from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import InventoryChange
+from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import InventoryChange
 from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
     LinkerRequestContext,
     PreparationHandle,
@@ -44,18 +44,6 @@ from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
 from sglang.srt.mem_cache.storage.kvcr.quarantine import RetainedCore
 
 pytestmark = pytest.mark.kvcr
-
-
-@pytest.fixture
-def pool():
-    return make_pool("cpu")
-
-
-@pytest.fixture
-def linker(pool):
-    lk = make_linker(pool)
-    yield lk
-    lk.close()
 
 
 class _Wrapper:
@@ -252,7 +240,7 @@ def test_a_burst_of_resident_arrivals_all_restore_within_a_small_budget(pool):
 def test_a_hint_whose_fetch_was_refused_rides_on_the_requests_next_fetch(pool):
     """The hint is attached to one fetch; when the budget refuses that fetch the
     adapter keeps the hint and the request's next admitted fetch carries it."""
-    from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import DiscardHint, Fetch
+    from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import DiscardHint, Fetch
 
     lk = make_linker(pool, max_inflight_prepare_bytes=PAGE_BYTES)
     adapter = lk._adapter
@@ -595,7 +583,7 @@ def test_staged_offload_events_follow_the_page_number_kernels(linker, pool):
         linker.offloader.offload(
             kv_transfer(hashes_for(1, "order"), [3]),
             linker._adapter,
-            linker._agent,
+            linker.session.agent,
             ready,
             False,
         )

@@ -560,7 +560,7 @@ def test_linker_pins_exactly_its_dram_share_and_staging(monkeypatch):
             [t.numel() for t in lk.dram.storage.values()]
             + [t.numel() for t in lk.offloader.staging.buffers.values()]
         )
-        assert lk.pinned_bytes() == storage + staging
+        assert lk.dram.memory.pinned_bytes == storage + staging
         assert f"pinned_bytes={storage + staging} " in lk.stats_line()
         fill_random(pool, [1], seed=2)
         want = page_bytes(pool, 1)

@@ -285,8 +285,6 @@ def test_pending_preparation_is_held_back_then_its_tail_is_restored_bit_exact(
     make_stack,
 ):
     """A still-fetching request skips a pass in place; once ready it restores exact KV."""
-    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
-
     stack = make_stack()
     cache, linker = stack.cache, stack.linker
     prefix = list(range(100, 100 + 4 * PAGE))
@@ -339,13 +337,7 @@ def test_pending_preparation_is_held_back_then_its_tail_is_restored_bit_exact(
     a.init_next_round_input(cache)  # match -> lookup answers from A's claims
     assert a.prefix_len == 0
     assert a.host_hit_length == len(prefix)
-    loaded = cache.init_load_back(
-        InitLoadBackParams(
-            best_match_node=a.best_match_node,
-            host_hit_length=a.host_hit_length,
-            req=a,
-        )
-    )
+    loaded = kvcr_stack.load_back(cache, a)
     assert loaded[0] == len(prefix)
     private = cache.linker.private_load_indices[a.rid].clone()
     assert len(private) == len(prefix)
@@ -360,7 +352,7 @@ def test_tail_behind_a_device_resident_prefix_is_prepared_and_restored_bit_exact
     make_stack,
 ):
     """The enqueue-time tail is anchored on the device prefix and restores exactly."""
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
     stack = make_stack()
     cache, linker = stack.cache, stack.linker
@@ -383,13 +375,7 @@ def test_tail_behind_a_device_resident_prefix_is_prepared_and_restored_bit_exact
     assert linker.claims_held() == 2
     a.init_next_round_input(cache)
     assert (a.prefix_len, a.host_hit_length) == (2 * PAGE, 2 * PAGE)
-    loaded = cache.init_load_back(
-        InitLoadBackParams(
-            best_match_node=a.best_match_node,
-            host_hit_length=a.host_hit_length,
-            req=a,
-        )
-    )
+    loaded = kvcr_stack.load_back(cache, a)
     assert loaded[0] == 2 * PAGE
     private = cache.linker.private_load_indices[a.rid].clone()
     assert cache.ready_to_load_host_cache() >= 0

@@ -465,6 +465,15 @@ def _poll(kv: Any, handle: int, deadline_s: float = 10.0) -> dict[bytes, Any]:
     raise AssertionError(f"kvcr op {handle} did not complete in {deadline_s}s")
 
 
+def page_refs(layout: PageLayout, hashes: list[str], pages: list[int]) -> dict:
+    """KVCR block key -> this agent's memory refs, for every pool of each page."""
+    return {
+        layout.block_key(h, p.name): p.memory_refs(AGENT, page)
+        for h, page in zip(hashes, pages, strict=True)
+        for p in layout.pools
+    }
+
+
 GEOMETRIES: dict[str, Callable[[], Any]] = {
     "mha": lambda: mha(layers=2),
     "mha-split-k-v": lambda: mha(head_dim=8, v_head_dim=4, layers=2),
@@ -523,12 +532,7 @@ def test_real_kvcr_deposits_fetches_and_delivers_pages_byte_exact(
     try:
         src, dst = [1, 2], [5, 6]
         hashes = [page_hash(p) for p in src]
-        deposit = {
-            layout.block_key(h, p.name): p.memory_refs(AGENT, page)
-            for h, page in zip(hashes, src, strict=True)
-            for p in layout.pools
-        }
-        results = _poll(kv, kv.deposit(deposit))
+        results = _poll(kv, kv.deposit(page_refs(layout, hashes, src)))
         assert {r.status for r in results.values()} == {OpEntryStatus.SUCCESS}
         assert len(results) == 2 * len(layout.pools)
         handles = []
@@ -541,12 +545,7 @@ def test_real_kvcr_deposits_fetches_and_delivers_pages_byte_exact(
                 assert [d.label for d in entry.descriptors] == p.part_labels
                 handles.append(entry.release_handle)
         before = [buf.clone() for buf in buffers(pool)]
-        deliver = {
-            layout.block_key(h, p.name): p.memory_refs(AGENT, page)
-            for h, page in zip(hashes, dst, strict=True)
-            for p in layout.pools
-        }
-        results = _poll(kv, kv.deliver(deliver))
+        results = _poll(kv, kv.deliver(page_refs(layout, hashes, dst)))
         assert {r.status for r in results.values()} == {OpEntryStatus.SUCCESS}
         rows = {
             d * 4 + r: s * 4 + r

@@ -62,3 +62,26 @@ def test_the_stats_line_prints_every_number_of_the_snapshot():
         lk.release_request("r")
     finally:
         lk.close()
+
+
+def test_kvcr_counters_survive_a_flush():
+    """A flush starts a new KVCR whose own counters start at 0; the snapshot (and
+    so the stats line and the Prometheus counters fed from it) keeps counting."""
+    pool = make_pool("cpu")
+    # An in-flight budget of one page: a second offload while one is in flight
+    # is refused (counted as refused_offload).
+    lk = make_linker(pool, max_inflight_offload_bytes=PAGE_BYTES)
+    try:
+        fill_random(pool, [1, 2, 3], seed=4)
+        hashes = hashes_for(3, "flush-counts")
+        lk.offload(kv_transfer(hashes[:1], [1]), None)
+        lk.offload(kv_transfer(hashes[1:2], [2]), None)
+        lk.num_completed_offloads()  # the pump submits both deposits
+        before = lk.stats_snapshot()["refused_offload"]
+        assert before >= 1  # the second one found the budget taken
+        lk.reset()
+        assert lk.session.adapter.stats().refused_offload == 0  # a new KVCR
+        assert lk.stats_snapshot()["refused_offload"] == before
+        assert lk.session.stats().deposits >= 1
+    finally:
+        lk.close()

@@ -33,6 +33,8 @@ from unittest import mock
 import pytest
 import torch
 
+from cpu_harness import kvcr_stack
+
 PAGE = 1
 KV_TOKENS = 256
 HEADS = 2
@@ -142,10 +144,8 @@ def _server_args() -> Any:
 def build_hybrid_cache(tree_core_backend: str = "rust") -> SimpleNamespace:
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
     from sglang.srt.environ import envs
-    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
-    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
@@ -173,26 +173,10 @@ def build_hybrid_cache(tree_core_backend: str = "rust") -> SimpleNamespace:
         enable_mamba_extra_buffer=False,
         speculative_num_draft_tokens=3,
     )
-    kvcache = SWAKVPool(
-        size=KV_TOKENS,
-        size_swa=KV_TOKENS,
-        page_size=PAGE,
-        dtype=torch.bfloat16,
-        head_num=HEADS,
-        head_dim=DIM,
-        swa_attention_layer_ids=list(MAMBA_SWA_LAYERS),
-        full_attention_layer_ids=list(FULL_LAYERS),
-        device="cpu",
+    kvcache = kvcr_stack.swa_kv_pool(
+        KV_TOKENS, PAGE, HEADS, DIM, FULL_LAYERS, MAMBA_SWA_LAYERS
     )
-    allocator = SWATokenToKVPoolAllocator(
-        size=KV_TOKENS,
-        size_swa=KV_TOKENS,
-        page_size=PAGE,
-        dtype=torch.bfloat16,
-        device="cpu",
-        kvcache=kvcache,
-        need_sort=False,
-    )
+    allocator = kvcr_stack.swa_allocator(kvcache, KV_TOKENS, PAGE)
     params = CacheInitParams(
         req_to_token_pool=req_to_token,
         token_to_kv_pool_allocator=allocator,

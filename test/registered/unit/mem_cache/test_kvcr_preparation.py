@@ -13,7 +13,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from sglang.srt.mem_cache.storage.kvcr.fetch_plan import PoolFetch
-from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import (
+from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import (
     DiscardHint,
     EntryResult,
     EntryStatus,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from cpu_harness.kvcr_pages import PAGE, make_pool
 from sglang.srt.mem_cache.storage.kvcr import kvcr_layout
-from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import InventoryChange
+from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import InventoryChange
 from sglang.srt.mem_cache.storage.kvcr.residency import Residency
 
 

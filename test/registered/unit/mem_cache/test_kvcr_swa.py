@@ -16,7 +16,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-from cpu_harness import kvcr_stack
+from cpu_harness import kvcr_pages, kvcr_stack
 from cpu_harness.kvcr_pages import wait_until
 from sglang.srt.mem_cache.storage.kvcr.kvcr_layout import KVCRLayoutError
 from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
@@ -34,31 +34,16 @@ FULL_SWA = {ComponentType.FULL, ComponentType.SWA}
 
 
 def make_swa_pool():
-    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+    return kvcr_stack.swa_kv_pool(TOKENS, PAGE, HEADS, DIM, FULL_LAYERS, SWA_LAYERS)
 
-    return SWAKVPool(
-        size=TOKENS,
-        size_swa=TOKENS,
-        page_size=PAGE,
-        dtype=torch.bfloat16,
-        head_num=HEADS,
-        head_dim=DIM,
-        swa_attention_layer_ids=list(SWA_LAYERS),
-        full_attention_layer_ids=list(FULL_LAYERS),
-        device="cpu",
-    )
+
+# kvcr_pages.make_linker options of a FULL+SWA linker over the SWA pool.
+SWA_LINKER = {"model": "tiny-swa", "local_dram_bytes_per_worker": 1 << 20}
 
 
 def make_linker(pool, components=FULL_SWA, **overrides):
-    config = {
-        "local_dram_bytes_per_worker": 1 << 20,
-        "operation_timeout_ms": 5000,
-        "abandon_timeout_ms": 10000,
-        "preparation_timeout_ms": 2000,
-        **overrides,
-    }
-    return kvcr_stack.bare_linker(
-        pool, PAGE, config, components=components, model="tiny-swa"
+    return kvcr_pages.make_linker(
+        pool, components=components, **SWA_LINKER, **overrides
     )
 
 
@@ -68,10 +53,9 @@ def pool():
 
 
 @pytest.fixture
-def linker(pool):
-    lk = make_linker(pool)
-    yield lk
-    lk.close()
+def linker_options():
+    """What the conftest's ``linker`` fixture builds here: the FULL+SWA linker."""
+    return {"components": FULL_SWA, **SWA_LINKER}
 
 
 def hashes(n, salt="s"):
@@ -272,18 +256,7 @@ def test_mamba_components_are_refused_naming_the_flag(pool):
 
 
 def test_swa_component_needs_a_swa_pool():
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
-    plain = MHATokenToKVPool(
-        TOKENS,
-        PAGE,
-        torch.bfloat16,
-        HEADS,
-        DIM,
-        2,
-        device="cpu",
-        enable_memory_saver=False,
-    )
+    plain = kvcr_stack.mha_pool(TOKENS, PAGE, HEADS, DIM, 2)
     with pytest.raises(KVCRLayoutError, match="SWA needs an SWAKVPool"):
         make_linker(plain, FULL_SWA)
     with pytest.raises(KVCRLayoutError, match="SWA needs an SWAKVPool"):
@@ -291,18 +264,7 @@ def test_swa_component_needs_a_swa_pool():
 
 
 def test_swa_digest_differs_from_a_plain_pool_of_the_same_geometry(pool, linker):
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
-    plain = MHATokenToKVPool(
-        TOKENS,
-        PAGE,
-        torch.bfloat16,
-        HEADS,
-        DIM,
-        4,
-        device="cpu",
-        enable_memory_saver=False,
-    )
+    plain = kvcr_stack.mha_pool(TOKENS, PAGE, HEADS, DIM, 4)
     other = make_linker(plain, {ComponentType.FULL})
     try:
         assert other.layout.compatibility_digest != linker.layout.compatibility_digest
@@ -329,7 +291,6 @@ def test_swa_tail_restores_through_the_unified_cache_bit_exact(plugin_hooks):
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.mem_cache.base_prefix_cache import (
         EvictParams,
-        InitLoadBackParams,
         InsertParams,
         MatchPrefixParams,
     )
@@ -397,13 +358,7 @@ def test_swa_tail_restores_through_the_unified_cache_bit_exact(plugin_hooks):
         wait_until(lambda: ready(handle), what="tail prepared")
         req.init_next_round_input(cache)
         assert req.host_hit_length == len(tokens)
-        loaded = cache.init_load_back(
-            InitLoadBackParams(
-                best_match_node=req.best_match_node,
-                host_hit_length=req.host_hit_length,
-                req=req,
-            )
-        )
+        loaded = kvcr_stack.load_back(cache, req)
         assert loaded[0] == len(tokens)
         private = cache.linker.private_load_indices[req.rid].clone()
         assert cache.ready_to_load_host_cache() >= 0

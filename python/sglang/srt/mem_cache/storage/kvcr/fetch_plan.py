@@ -3,9 +3,11 @@
 The wanted head of a tail is its leading pages that are resident here in every
 full-attention pool or named by the request's hint. ``plan_fetches`` splits it
 into per-pool ``PoolFetch`` chunks: resident keys only take a claim (no bytes
-move, nothing is charged), the rest come from the hinted peer. Window pools
-(SWA) are asked only for pages this rank or the peer may hold. Pure functions
-over plain values; ``kv_keys`` and ``window_pages`` read SGLang's transfers.
+move, nothing is charged), the rest come from the hinted peer. Trailing pools
+(SWA window, Mamba last-page state) are asked only for pages this rank holds in
+that pool or the peer may hold. Pure functions over plain values; ``kv_keys``
+and ``window_pages`` read SGLang's transfers: a trailing pool's window is its
+transfer's key count (``ceil(window / page)`` for SWA, 1 for Mamba's state).
 """
 
 from __future__ import annotations
@@ -35,13 +37,24 @@ def kv_keys(transfers: list[Any]) -> list[str]:
     return []
 
 
-def window_pages(transfers: list[Any], tail_pages: int) -> int:
-    """Pages of the trailing window: the SWA lookup transfer carries the tail's
-    last ``ceil(window / page)`` keys (all of them when the tail is shorter)."""
-    for transfer in transfers:
-        if transfer.name == PoolName.SWA and transfer.keys:
-            return len(transfer.keys)
-    return tail_pages  # no window given: require window KV for every page
+def window_pages(transfers: list[Any], tail_pages: int) -> dict[str, int]:
+    """Trailing pages each non-KV transfer needs, by its name: the SWA lookup
+    transfer carries the tail's last ``ceil(window / page)`` keys (all of them
+    when the tail is shorter), Mamba's the last page's. A trailing pool whose
+    transfer is absent needs every page (``trailing_window``)."""
+    return {
+        str(t.name): min(len(t.keys), tail_pages)
+        for t in transfers
+        if t.name != PoolName.KV and t.keys
+    }
+
+
+def trailing_window(windows: dict[str, int] | int, source: str, tail: int) -> int:
+    """The window of ``source``'s pools (``windows`` from ``window_pages``; a
+    plain number is one window for every source); ``tail`` when not given."""
+    if isinstance(windows, int):
+        return windows
+    return windows.get(source, tail)
 
 
 def plan_fetches(
@@ -57,14 +70,16 @@ def plan_fetches(
     rest (from the hinted peer). Window pools (SWA) only where this rank or the
     hinted peer may hold them: a missing window page narrows the restorable set,
     it never blocks it."""
-    window_set = {
-        h for h in pages if h in hinted or residency.holds(h, layout.window_pools)
+    windows = {
+        pool.name: {h for h in pages if h in hinted or residency.holds(h, (pool,))}
+        for pool in layout.window_pools
     }
     out: list[PoolFetch] = []
     for start in range(0, len(pages), chunk):
         span = pages[start : start + chunk]
         for pool in layout.pools:
-            chosen = [h for h in span if h in window_set] if pool.trailing else span
+            held = windows.get(pool.name)
+            chosen = span if held is None else [h for h in span if h in held]
             keys = [layout.block_key(h, pool.name) for h in chosen]
             local = tuple(k for k in keys if k in residency)
             remote = tuple(k for k in keys if k not in residency)
@@ -91,3 +106,19 @@ def wanted_pages(
             break
         wanted += 1
     return wanted
+
+
+def restorable_boundaries(
+    prep: Any, start: int, tail: list[str], layout: Any, windows: dict[str, int] | int
+) -> list[int]:
+    """Boundaries of ``tail`` restorable from ``prep``'s claims under every hit
+    policy: full pools for all pages, and each trailing source's pools (SWA,
+    Mamba) for its window's last pages; the intersection over the sources."""
+    if not layout.window_groups:
+        return list(prep.restorable(start, tail, layout.full_names, frozenset(), 0))
+    common: set[int] | None = None
+    for source, names in layout.window_groups:
+        width = trailing_window(windows, source, len(tail))
+        found = set(prep.restorable(start, tail, layout.full_names, names, width))
+        common = found if common is None else common & found
+    return sorted(common or ())

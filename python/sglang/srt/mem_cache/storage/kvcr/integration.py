@@ -1,29 +1,13 @@
 """The one module that touches SGLang 0.5.23 private names: scheduler and tree hooks.
 
-Hooks (registered through ``HookRegistry`` by the plugin entry point):
-
-* ``Scheduler._add_request_to_queue`` (AFTER) and PD prefill's
-  ``optimistic_release_and_requeue`` (AFTER): a device-only match of the enqueued
-  request, then ``prepare_request`` with the uncached tail, its hints and attempt.
-* ``Scheduler._get_new_batch_prefill_raw`` (AROUND): readiness of every waiting
-  request, MIN-reduced across the attention group, hides the not-ready ones for
-  this pass and puts them back in their original order afterwards; each pass's
-  verdicts go to ``note_admission`` (the admission wait in the stats line).
-* ``UnifiedCacheLinkerWrapper.finish_loads`` (AROUND): one restore verdict per
-  request, so a request whose KV did not land is aborted alone.
-* ``UnifiedCacheLinkerWrapper.release_request`` and ``UnifiedRadixCache.on_release``
-  (AFTER): aborts and releases reach the backend.
-* ``UnifiedCacheLinkerWrapper.commit_completed_offloads`` (AROUND) and
-  ``UnifiedRadixCache.check_hicache_events`` (AFTER): EXTERNAL ``BlockStored`` for
-  committed offloads, and KVCR evictions gathered across ranks so every rank clears
-  the same stored marks (and publishes ``BlockRemoved``).
-* ``SchedulerWeightUpdaterManager.update_weights_from_{disk,tensor,distributed,ipc}``
-  and ``begin_weight_update`` (AROUND): ``weights_changing`` before the weights
-  change (and again, as unknown weights, when the update fails), so the backend
-  refuses pages until the flush that follows re-keys it for the new weights.
-
-Linkers without the optional hooks (Mooncake, mori) see no behaviour change: every
-hook returns at once unless ``prepares_requests`` / ``publishes_external_events``.
+``register_hooks`` installs, through ``HookRegistry``, the hooks that give a
+direct linker the prepare / ready / release / finish contract of ``linker_hooks``
+(enqueue-time preparation, a MIN-reduced readiness gate before prefill admission,
+per-request restore verdicts, release on abort), EXTERNAL stored marks and
+KVCR-eviction gathering across ranks, and weight-update announcements; the docs'
+"How it plugs into SGLang" lists every target and what each does. Linkers without
+the optional hooks (Mooncake, mori) see no behaviour change: every hook returns at
+once unless ``prepares_requests`` / ``publishes_external_events``.
 """
 
 from __future__ import annotations
@@ -41,6 +25,7 @@ from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
     LinkerRequestContext,
     PreparationHandle,
     linker_hook,
+    merge_held,
 )
 from sglang.srt.mem_cache.storage.kvcr.plugin import TREE_CORE_ENV
 
@@ -270,16 +255,6 @@ def _around_get_new_batch_prefill(
         scheduler.waiting_queue = merge_held(queue, held, scheduler.waiting_queue)
 
 
-def merge_held(original: list[Any], held: list[Any], after: list[Any]) -> list[Any]:
-    """Put held requests back in their original positions; new arrivals go last."""
-    held_ids = {id(r) for r in held}
-    after_ids = {id(r) for r in after}
-    original_ids = {id(r) for r in original}
-    merged = [r for r in original if id(r) in held_ids or id(r) in after_ids]
-    merged.extend(r for r in after if id(r) not in original_ids)
-    return merged
-
-
 # ---- restore verdicts --------------------------------------------------------
 
 
@@ -355,13 +330,9 @@ def _after_init_cache_linker(result: Any, cache: Any, cache_linker: Any) -> None
         )
 
 
-def _stored_pages(backend: Any) -> Any:
-    return getattr(backend, "stored_pages", None)
-
-
 def _after_cache_reset(result: Any, cache: Any) -> None:
     # A flush rebuilt KVCR empty: nothing indexed is stored externally any more.
-    stored = _stored_pages(_backend(cache))
+    stored = getattr(_backend(cache), "stored_pages", None)
     if stored is not None:
         stored.reset()
 
@@ -429,7 +400,7 @@ def _around_commit_completed_offloads(
     published = [p.publish_node_ids for p in wrapper.pending_offloads[: len(successes)]]
     result = original(wrapper, successes)
     core = wrapper.cache.tree_core
-    stored = _stored_pages(backend)
+    stored = getattr(backend, "stored_pages", None)
     evicted: list[str] = []
     for ok, node_ids in zip(successes, published, strict=True):
         if not ok:
@@ -455,10 +426,18 @@ def _after_check_hicache_events(result: Any, cache: Any) -> None:
 
 def clear_stored_marks(cache: Any, page_hashes: list[str]) -> int:
     """Clear the stored marks of ``page_hashes`` KVCR evicted (stored_marks)."""
-    stored = _stored_pages(_backend(cache))
+    stored = getattr(_backend(cache), "stored_pages", None)
     if stored is None:
         return 0
     return stored.clear(cache.tree_core, page_hashes)
+
+
+def nccl_group_over(group: Any) -> Any:
+    """SGLang's NCCL group over ``group``'s ranks (collective over the world)."""
+    from sglang.srt.distributed import parallel_state
+
+    ranks = list(torch.distributed.get_process_group_ranks(group))
+    return parallel_state.create_custom_parallel_group(ranks, backend="nccl")
 
 
 def _node(core: Any, node_id: Any) -> Any:

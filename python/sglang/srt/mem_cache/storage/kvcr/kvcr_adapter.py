@@ -40,17 +40,17 @@ from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import (
     Callbacks,
     Deposit,
     DiscardHint,
-    EntryResult,
     EntryStatus,
     Fetch,
     InventoryChange,
     NoPinFramework,
     OpDone,
-    OpKind,
     Release,
     budget_of,
     charge,
+    completed_as,
 )
+from sglang.srt.mem_cache.storage.kvcr.kvcr_executor import Call, CommandExecutor
 from sglang.srt.mem_cache.storage.kvcr.kvcr_factory import BuiltKVCR, startup_remedy
 from sglang.srt.mem_cache.storage.kvcr.quarantine import RetainedCore
 
@@ -58,29 +58,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _STOP = object()
-_FETCH_POLL_S = 0.0005  # owner loop period while a fetch (preparation) is in flight
-_DEPOSIT_POLL_S = 0.002  # only offloads in flight: background, no one waits on them
-# While idle it still polls (KVCR runs pin callbacks and inventory events inside
-# poll_completed); commands wake it at once.
-_IDLE_POLL_S = 0.05
 _MAX_COMMANDS_PER_TURN = 64
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Call:
-    fn: Callable[[Any], Any]
-    future: Future[Any]
-
-
-Command = Deposit | Fetch | Release | DiscardHint | _Call
-
-
-@dataclasses.dataclass(slots=True)
-class _Inflight:
-    kind: OpKind
-    op_id: int
-    budget: Budget
-    nbytes: int
+Command = Deposit | Fetch | Release | DiscardHint | Call
 
 
 class AdapterState(enum.Enum):
@@ -114,8 +94,7 @@ class KVCRAdapter:
         # Caller-thread state: hints whose fetch was refused, by request id.
         self._held_hints: dict[str, Mapping[str, Any]] = {}
         # Owner-thread state.
-        self._kvcr: Any = None
-        self._inflight: dict[int, _Inflight] = {}
+        self._executor: CommandExecutor | None = None
         self._pins = NoPinFramework()
         self.endpoint = ""  # peer control endpoint, set once KVCR is up
         self._clean_close = True
@@ -168,7 +147,7 @@ class KVCRAdapter:
             if isinstance(command, Fetch) and command.hint is not None:
                 # Not lost with its fetch: the request's next fetch carries it.
                 self._held_hints[command.request_id] = command.hint
-            self._complete_all(command, EntryStatus.REFUSED)
+            self._results.put(completed_as(command, EntryStatus.REFUSED))
             return
         if isinstance(command, DiscardHint):
             self._held_hints.pop(command.request_id, None)
@@ -190,7 +169,7 @@ class KVCRAdapter:
             return
         if not self._charge(Budget.OFFLOAD, sum(c.nbytes for c in commands)):
             for command in commands:
-                self._complete_all(command, EntryStatus.REFUSED)
+                self._results.put(completed_as(command, EntryStatus.REFUSED))
             return
         for command in commands:
             self._commands.put(command)
@@ -198,13 +177,7 @@ class KVCRAdapter:
     def fail_op(self, command: Deposit | Fetch) -> None:
         """Complete a command that never reached KVCR as FAILED (e.g. a staging
         copy raised); safe from any thread."""
-        self._complete_all(command, EntryStatus.FAILED)
-
-    def _complete_all(self, command: Deposit | Fetch, status: EntryStatus) -> None:
-        keys = command.blocks if isinstance(command, Deposit) else command.keys
-        kind = OpKind.DEPOSIT if isinstance(command, Deposit) else OpKind.FETCH
-        result = EntryResult(status)
-        self._results.put(OpDone(command.op_id, kind, dict.fromkeys(keys, result)))
+        self._results.put(completed_as(command, EntryStatus.FAILED))
 
     def drain(self) -> list[OpDone | InventoryChange]:
         """Every result produced since the last drain, in production order."""
@@ -220,7 +193,7 @@ class KVCRAdapter:
         """Run ``fn(kvcr)`` on the owner thread and wait for it, with a deadline."""
         self._raise_if_failed()
         future: Future[Any] = Future()
-        self._commands.put(_Call(fn, future))
+        self._commands.put(Call(fn, future))
         timeout = self._limits.wait_timeout_s if timeout_s is None else timeout_s
         try:
             return future.result(timeout=timeout)
@@ -234,7 +207,7 @@ class KVCRAdapter:
         """Wait until no operation is in flight; False at the deadline."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.call(lambda kv: not self._inflight, timeout_s=timeout_s):
+            if self.call(lambda kv: not self._owner().inflight, timeout_s=timeout_s):
                 return True
             time.sleep(0.002)
         return False
@@ -313,10 +286,18 @@ class KVCRAdapter:
             self._fail(exc)
             started.set_exception(exc)
             return
+        kvcr = built
         if isinstance(built, BuiltKVCR):
-            self._kvcr, self.endpoint = built.kvcr, built.endpoint
-        else:  # a stand-in factory (tests) hands the KVCR alone
-            self._kvcr = built
+            kvcr, self.endpoint = built.kvcr, built.endpoint
+        # else a stand-in factory (tests) hands the KVCR alone
+        self._executor = CommandExecutor(
+            kvcr,
+            self._pins,
+            self._results,
+            self._stats,
+            self._stats_lock,
+            self._uncharge,
+        )
         with self._state_lock:
             in_time = self.state is AdapterState.STARTING
             if in_time:
@@ -334,9 +315,14 @@ class KVCRAdapter:
         finally:
             self._shutdown()
 
+    def _owner(self) -> CommandExecutor:
+        assert self._executor is not None, "only called while RUNNING"
+        return self._executor
+
     def _loop(self) -> None:
+        owner = self._owner()
         while True:
-            period = self._poll_period()
+            period = owner.poll_period()
             try:
                 first = self._commands.get(timeout=period)
             except queue.Empty:
@@ -349,84 +335,10 @@ class KVCRAdapter:
                     break
             for command in batch:
                 if command is _STOP:
-                    self._poll()
+                    owner.poll()
                     return
-                self._execute(command)
-            self._poll()
-
-    def _poll_period(self) -> float:
-        if not self._inflight:
-            return _IDLE_POLL_S
-        if any(op.kind is OpKind.FETCH for op in self._inflight.values()):
-            return _FETCH_POLL_S
-        return _DEPOSIT_POLL_S
-
-    def _execute(self, command: object) -> None:
-        self._execute_command(command)
-        kvcr_patches.wake()  # KVCR may have new work: its progress loop polls now
-
-    def _execute_command(self, command: object) -> None:
-        kv = self._kvcr
-        if isinstance(command, Deposit):
-            handle = kv.deposit(dict(command.blocks))
-            self._inflight[handle] = _Inflight(
-                OpKind.DEPOSIT, command.op_id, Budget.OFFLOAD, command.nbytes
-            )
-            with self._stats_lock:
-                self._stats.deposits += 1
-        elif isinstance(command, Fetch):
-            if command.hint is not None:
-                try:
-                    kv.submit_hint(dict(command.hint), command.request_id)
-                except ValueError as exc:
-                    logger.debug(
-                        "KVCR refused hint for %s: %s", command.request_id, exc
-                    )
-            handle = kv.fetch(
-                list(command.keys),
-                request_id=command.request_id,
-                expected_layout=list(command.expected_layout),
-            )
-            self._inflight[handle] = _Inflight(
-                OpKind.FETCH, command.op_id, Budget.PREPARE, command.nbytes
-            )
-            with self._stats_lock:
-                self._stats.fetches += 1
-        elif isinstance(command, Release):
-            results = kv.release(list(command.claims))
-            released = sum(1 for _, ok in results if ok)
-            with self._stats_lock:
-                self._stats.claims_released += released
-        elif isinstance(command, DiscardHint):
-            kv.discard_hint(command.request_id)
-        elif isinstance(command, _Call):
-            if command.future.set_running_or_notify_cancel():
-                try:
-                    command.future.set_result(command.fn(kv))
-                except BaseException as exc:
-                    command.future.set_exception(exc)
-
-    def _poll(self) -> None:
-        pins = self._pins.requests
-        completed = self._kvcr.poll_completed()
-        if completed or self._pins.requests != pins:
-            # Follow-up work (a declined pin's answer, the next step of an
-            # exchange) may now sit in KVCR's progress queue: do not let it wait
-            # out an idle period there.
-            kvcr_patches.wake()
-        for handle, entries in completed:
-            op = self._inflight.pop(handle, None)
-            if op is None:
-                logger.warning("KVCR completed an unknown operation %s", handle)
-                continue
-            self._uncharge(op.budget, op.nbytes)
-            self._results.put(
-                OpDone(
-                    op.op_id,
-                    op.kind,
-                    {bytes(key): _entry(result) for key, result in entries.items()},
-                )
-            )
+                owner.execute(command)
+            owner.poll()
 
     def _on_inventory(self, event: Any) -> None:
         self._results.put(
@@ -439,7 +351,8 @@ class KVCRAdapter:
         logger.warning("KVCR resilience event: %s", exc)
 
     def _shutdown(self) -> None:
-        kv, self._kvcr = self._kvcr, None
+        owner, self._executor = self._executor, None
+        kv = None if owner is None else owner.kvcr
         if self.state is not AdapterState.FAILED:
             self.state = AdapterState.CLOSED
         # Answer callers still waiting so nobody blocks past its own deadline.
@@ -449,7 +362,7 @@ class KVCRAdapter:
             except queue.Empty:
                 break
             if (
-                isinstance(command, _Call)
+                isinstance(command, Call)
                 and command.future.set_running_or_notify_cancel()
             ):
                 command.future.set_exception(KVCRAdapterFailed("KVCR adapter closed"))
@@ -462,9 +375,3 @@ class KVCRAdapter:
                 self.retained = RetainedCore(kv, self._thread.name)
                 self._clean_close = False
                 logger.exception("KVCR close was not clean; resources retained")
-
-
-def _entry(result: Any) -> EntryResult:
-    status = EntryStatus[result.status.name]
-    slots = tuple(result.descriptors) if result.descriptors else None
-    return EntryResult(status, slots, result.release_handle)

@@ -127,6 +127,13 @@ def budget_of(command: Deposit | Fetch) -> Budget:
     return Budget.OFFLOAD if isinstance(command, Deposit) else Budget.PREPARE
 
 
+def completed_as(command: Deposit | Fetch, status: EntryStatus) -> OpDone:
+    """The result of a command that never reached KVCR: every key ``status``."""
+    keys = command.blocks if isinstance(command, Deposit) else command.keys
+    kind = OpKind.DEPOSIT if isinstance(command, Deposit) else OpKind.FETCH
+    return OpDone(command.op_id, kind, dict.fromkeys(keys, EntryResult(status)))
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class AdapterLimits:
     max_inflight_offload_bytes: int

@@ -15,12 +15,8 @@ never a hit and a failed transfer is a miss, never wrong KV.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
-import socket
 import time
-from collections.abc import Iterable
 from typing import Any
 
 from sglang.srt.mem_cache.hicache_storage import PoolTransfer
@@ -30,21 +26,17 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
 )
 
 from sglang.srt.mem_cache.storage.kvcr import (
-    kvcr_layout,
+    linker_metrics,
     linker_setup,
     linker_stats,
+    replica_broadcast,
 )
 from sglang.srt.mem_cache.storage.kvcr.config import KVCRLinkerConfig
 from sglang.srt.mem_cache.storage.kvcr.device_streams import DeviceBinding
 from sglang.srt.mem_cache.storage.kvcr.fetch_plan import kv_keys, window_pages
-from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import (
-    AdapterLimits,
-    InventoryChange,
-    KVCRAdapter,
-    OpKind,
-    Release,
-)
-from sglang.srt.mem_cache.storage.kvcr.kvcr_factory import make_kvcr_factory
+from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import KVCRAdapter
+from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import InventoryChange, OpKind
+from sglang.srt.mem_cache.storage.kvcr.kvcr_session import KVCRSession
 from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
     LinkerRequestContext,
     PreparationHandle,
@@ -59,7 +51,6 @@ from sglang.srt.mem_cache.storage.kvcr.restore import Restorer, plan_transfers
 from sglang.srt.mem_cache.storage.kvcr.router_hint import (
     EndpointAllowlist,
     RouterHintParser,
-    own_endpoints,
     request_hint,
 )
 from sglang.srt.mem_cache.storage.kvcr.stored_marks import StoredPages
@@ -69,7 +60,6 @@ __all__ = ["KVCRDirectLinker", "kvcache_layout_identity"]
 logger = logging.getLogger(__name__)
 
 _STATS_LOG_PERIOD_S = 30.0
-_INCARNATIONS = itertools.count(1)
 
 
 class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
@@ -86,34 +76,38 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         components: Any,
         extra_config: dict[str, Any] | None = None,
         forward_stream: Any = None,
+        rank: linker_setup.RankDescription | None = None,
+        replicas: Any = None,  # replica_broadcast.ReplicaBroadcast: stores once
     ) -> None:
         self.config = cfg = KVCRLinkerConfig.from_dict(extra_config or {})
         self.forward_stream = forward_stream
         self.page_size = int(params.page_size)
-        rank = linker_setup.describe_rank(server_args, params, components)
+        rank = rank or linker_setup.describe_rank(server_args, params, components)
+        self.replicas = replicas or replica_broadcast.NO_REPLICAS
         self.placement, self.layout = rank.placement, rank.layout
         self.weights, self.pools = rank.weights, rank.pools
         self.num_layers = self.layout.num_layers
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
+        counter = self.layer_done_counter
+        linker_setup.register_state_counter(params, self.layout, counter)
         # The rank's device, captured here on the scheduler thread: side threads
         # start on device 0 and bind to it before touching CUDA.
         self._device = DeviceBinding.of(self.layout.pools[0].tensors[0].device)
-        self._is_cuda = self._device.is_cuda
+        # What an offload's deposits wait on: events after the batch that wrote
+        # the pages (none on CPU, where copies are synchronous).
+        self._ready_events = (
+            self.record_offload_ready if self._device.is_cuda else tuple
+        )
+        sharers = replica_broadcast.dram_ranks(self.placement, replicas is not None)
         res = linker_setup.build_resources(
-            self.layout, cfg, self.placement.ranks_on_node, self._device, self.page_size
+            self.layout, cfg, sharers, self._device, self.page_size
         )
         self.dram = res.dram
         self.stats = LinkerStats()
-        self._agent = ""
-        self._factory_args = linker_setup.factory_args(
-            self.layout, cfg, self.placement.control_port(cfg.control_port), res
+        self.metrics = linker_metrics.build(
+            server_args, self.page_size, self.stats.samples, self.stats_snapshot
         )
-        self._limits = AdapterLimits(
-            max_inflight_offload_bytes=cfg.max_inflight_offload_bytes,
-            max_inflight_prepare_bytes=cfg.max_inflight_prepare_bytes,
-            wait_timeout_s=cfg.owner_wait_timeout_s,
-        )
-        self._hints = RouterHintParser(
+        self.hints = RouterHintParser(
             EndpointAllowlist.from_config(cfg), rank_offset=self.placement.shard_rank
         )
         self.preparations = Preparations(self.stats)
@@ -129,7 +123,14 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         )
         self._last_stats_log = time.monotonic()
         try:
-            self._adapter = self._start_adapter()
+            self.session = KVCRSession(
+                cfg,
+                self.dram,
+                linker_setup.factory_args(
+                    self.layout, cfg, self.placement.control_port(cfg.control_port), res
+                ),
+                self.placement.label(),
+            )
         except BaseException:
             if res.staging is not None:
                 res.staging.close(cfg.owner_wait_timeout_s)
@@ -146,40 +147,24 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             name=f"kvcr-loader-{self.placement.label()}",
         )
         logger.info(
-            "KVCR direct linker up: agent=%s endpoint=%s (DP replica %d, attention "
-            "rank %d of %d) digest=%s pools=%s",
-            self._agent,
+            "KVCR direct linker up: agent=%s endpoint=%s (%s) digest=%s pools=%s",
+            self.session.agent,
             self.endpoint,
-            self.placement.replica,
-            self.placement.shard_rank,
-            self.placement.shard_size,
+            self.placement.describe(),
             self.layout.compatibility_digest,
             [p.name for p in self.layout.pools],
         )
 
     # ---- lifecycle ---------------------------------------------------------------
 
-    def _start_adapter(self) -> KVCRAdapter:
-        # A fresh NIXL agent name per KVCR incarnation: peers and this process may
-        # still remember the previous one after a flush.
-        label = self.placement.label()
-        self._agent = f"kvcr-{socket.gethostname()}-{os.getpid()}-{label}"
-        self._agent += f"-{next(_INCARNATIONS)}"
-        factory = make_kvcr_factory(agent_name=self._agent, **self._factory_args)
-        adapter = KVCRAdapter(factory, self._limits, name=f"kvcr-{label}")
-        cfg = self.config
-        hosts = (cfg.control_bind_host, cfg.advertise_host)
-        self._own_endpoints = own_endpoints(adapter.endpoint, hosts)
-        return adapter
+    @property
+    def _adapter(self) -> KVCRAdapter:
+        return self.session.adapter
 
     @property
     def endpoint(self) -> str:
         """This rank's KVCR peer control endpoint (what a router's hint names)."""
-        return self._adapter.endpoint
-
-    def _submit(self, commands: Iterable[Any]) -> None:
-        for command in commands:
-            self._adapter.submit(command)
+        return self.session.endpoint
 
     def reset(self) -> None:
         """Flush: drop every claim and preparation and rebuild an empty KVCR."""
@@ -189,26 +174,18 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         staging = self.offloader.staging
         staging_quiet = staging is None or staging.wait_idle(timeout)
         self._release_all(claims)
-        old = self._adapter
-        clean = old.close() and loads_quiet
         self.offloader.reset(staging_quiet)
         self.preparations.reset()
-        # A copy still running past the deadline may read the old DRAM however
-        # cleanly KVCR closed: that share is never reclaimed.
-        if self.dram.flush(old, clean, timeout, reclaimable=loads_quiet):
-            self.restorer.storage = self.dram.storage
-            self._factory_args["local_dram_pools"] = self.layout.local_dram_regions(
-                list(self.dram.storage.values())
-            )
+        self.replicas.reset()
         identity = self.weights.take_pending()
         if identity is not None:
             # New weights: a new digest, so no peer (or old page) of the old
             # weights ever matches a key of the new ones.
             self.layout = self.layout.with_identity(identity)
             self.offloader.layout = self.restorer.layout = self.layout
-            self._factory_args["key_adapter"] = kvcr_layout.KeyAdapter(self.layout)
         self.residency.reset(self.layout)
-        self._adapter = self._start_adapter()
+        self.session.flush(self.layout, loads_quiet, identity is not None, timeout)
+        self.restorer.storage = self.dram.storage
         logger.info(
             "KVCR linker reset: residency cleared, endpoint=%s digest=%s",
             self.endpoint,
@@ -258,9 +235,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         return self._adapter.claims_outstanding()
 
     def _release_all(self, claims: list[int] | None = None) -> None:
-        claims = [*(claims or ()), *self.preparations.release_all()]
-        if claims:
-            self._adapter.submit(Release(tuple(claims)))
+        self.session.release([*(claims or ()), *self.preparations.release_all()])
         self._adapter.wait_idle(self.config.owner_wait_timeout_s)
         self._pump()
 
@@ -268,14 +243,14 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
 
     def _pump(self) -> None:
         if self.offloader.queue.has_deferred:
-            self.offloader.submit_ready(self._adapter, self._agent)
+            self.offloader.submit_ready(self._adapter, self.session.agent)
         for item in self._adapter.drain():
             if isinstance(item, InventoryChange):
                 self.stats.evicted_pages += self.residency.on_inventory(item)
             elif item.kind is OpKind.DEPOSIT:
                 self.offloader.on_done(item)
             else:
-                self._submit(
+                self.session.submit(
                     self.preparations.on_fetch_done(item, self.residency.parse_key)
                 )
         self._log_stats()
@@ -289,10 +264,10 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self._pump()
         page_hashes = kv_keys(transfers)
         hint = request_hint(
-            self._hints,
+            self.hints,
             ctx,
             page_hashes,
-            self._own_endpoints,
+            self.session.own_endpoints,
             self.dram.peer_fetches_off,
             self.placement.multi_node,
             self.stats,
@@ -308,7 +283,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             self._adapter.next_op_id,
         )
         if commands:
-            self._submit(commands)
+            self.session.submit(commands)
             self._pump()
         return ctx.handle
 
@@ -322,10 +297,9 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self.preparations.note_admission(rids, ready)
 
     def release_request(self, rid: str) -> None:
-        self._submit(self.preparations.release(rid))
-        claims = self.restorer.cancel(rid)
-        if claims:
-            self._adapter.submit(Release(tuple(claims)))
+        self.session.submit(self.preparations.release(rid))
+        self.session.release(self.restorer.cancel(rid))
+        self.replicas.cancel(rid)
 
     def finish_request(self, rid: str) -> None:
         self.release_request(rid)
@@ -355,7 +329,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         boundaries, commands = self.preparations.lookup(
             rid, page_hashes, window, self.layout, self.residency
         )
-        self._submit(commands)
+        self.session.submit(commands)
         return boundaries
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
@@ -365,17 +339,14 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             return False
         # Queued regardless (the answer depends on the transfers only, so every
         # rank agrees); a missing claim fails the job and the wrapper aborts it.
-        replaced = self.restorer.queue(job)
-        if replaced:
-            self._adapter.submit(Release(tuple(replaced)))
-        self.stats.loads += 1
-        self.stats.load_pages += len(kv_keys(transfers))
-        if not job.complete:
-            self.stats.load_failures += 1
-        return True
+        self.session.release(self.restorer.queue(job, len(kv_keys(transfers))))
+        return self.replicas.queue(rid, transfers)
 
     def start_layer_wise_loading(self) -> int:
-        return self.restorer.start(self.forward_stream)
+        index = self.restorer.start(self.forward_stream)
+        wait_s = self.config.owner_wait_timeout_s  # then the group gets the pages
+        self.replicas.send(self.layer_done_counter, index, wait_s)
+        return index
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
         """The base contract: True only when every load of the batch landed."""
@@ -386,28 +357,24 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
     ) -> dict[str, bool]:
         """Wait for the batch; whether each of its requests' KV landed."""
         verdicts, claims = self.restorer.finish(counter_index)
-        if claims:
-            self._adapter.submit(Release(tuple(claims)))
-        return verdicts
+        self.session.release(claims)
+        return self.replicas.settle(counter_index, verdicts)
 
     def cancel_queued_load(self, rid: str) -> bool:
         claims = self.restorer.cancel(rid)
-        if claims is None:
-            return False
-        if claims:
-            self._adapter.submit(Release(tuple(claims)))
-        return True
+        self.session.release(claims)
+        self.replicas.cancel(rid)
+        return claims is not None
 
     def offload(
         self, transfers: list[PoolTransfer], session_id: str | None = None
     ) -> bool:
-        def ready() -> tuple[Any, ...]:
-            return tuple(self.record_offload_ready()) if self._is_cuda else ()
-
         # Pages of new weights would be keyed as old ones; a disabled linker
         # has no DRAM to store into.
         refuse = self.weights.pending or self.dram.disabled
-        self.offloader.offload(transfers, self._adapter, self._agent, ready, refuse)
+        self.offloader.offload(
+            transfers, self._adapter, self.session.agent, self._ready_events, refuse
+        )
         return True
 
     def num_completed_offloads(self) -> int:
@@ -421,33 +388,20 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
 
     def stats_snapshot(self) -> dict[str, Any]:
         """Every counter and gauge of the stats line, by name (linker_stats)."""
-        return linker_stats.snapshot_of(self)
+        return {**linker_stats.snapshot_of(self), **self.replicas.stats_snapshot()}
 
     def stats_line(self) -> str:
         return linker_stats.stats_line(self.stats_snapshot())
 
     def _log_stats(self, force: bool = False) -> None:
         now = time.monotonic()
+        self.metrics.tick(now, force)  # Prometheus, from the same snapshot
         if force or now - self._last_stats_log >= _STATS_LOG_PERIOD_S:
             self._last_stats_log = now
             logger.info("%s", self.stats_line())
 
-    def pinned_bytes(self) -> int:
-        """Host bytes page-locked for KVCR DRAM and staging (0 on CPU hosts)."""
-        return self.dram.memory.pinned_bytes
-
     def quarantined_bytes(self) -> int:
         return self.dram.quarantine.bytes()
-
-    def inbound_refused(self) -> int:
-        """Control-channel connections the inbound guard refused."""
-        return int(self._factory_args["inbound_guard"].refused)
-
-    def adapter_stats(self) -> Any:
-        return self._adapter.stats()
-
-    def hint_stats(self) -> dict[str, int]:
-        return self._hints.stats.as_dict()
 
     def claims_held(self) -> int:
         return self.preparations.claims_held()

@@ -1,28 +1,25 @@
 """Describe SGLang KV pools as KVCR multi-part blocks, and key those blocks.
 
-A page of a dense NHD pool is one equal-sized byte range in every per-layer buffer
-(MHA: ``k_l`` then ``v_l`` per layer, so a layer's parts are adjacent; MLA: ``kv_l``).
-A sliding-window model's ``SWAKVPool`` is two such pools: its full-attention layers
-become KVCR pool ``kv`` and its window layers KVCR pool ``swa``, which takes device
-indices from SGLang's SWA transfer and is needed only for the trailing window of a
-restore (``trailing``); every span records its model (transfer) layer.
-Each buffer is a :class:`Span`, registered as one KVCR framework region
-``pool:part`` whose element ``i`` is page ``i``; a KVCR block is one page of one
-KVCR pool, valued by one ``MemoryRef`` per span. KVCR has one block size per pool,
-so spans of differing size (MHA with ``v_head_dim != head_dim``) are split into
-KVCR pools ``kv``, ``kv_1``, ..., each keyed separately. Keys carry a digest of
-the :class:`ModelIdentity` (checkpoint content, config, revision, draft, the server
-settings that change KV bytes, weight version), KV dtype, page size, span geometry
-and attention shard (never pointers, page counts, worker or data-parallel
-identity). kvcr is imported lazily, only where kvcr objects are built.
+Every entry of the model's ``DevicePoolGroup`` (``pool_group_layout``) becomes one
+KVCR pool (``kv``, ``kv_1``, ... when its buffers' page sizes differ: KVCR has one
+block size per pool) with a :class:`Span` per buffer on its transfer layer, its
+entry's index source, translation and rows per page, and its hit policy
+(:class:`HitPolicy`). Each span is one KVCR framework region ``pool:part`` whose
+element ``i`` is page ``i``; a block is one page of one pool, one ``MemoryRef``
+per span. Keys carry a digest of the :class:`ModelIdentity` (checkpoint content,
+config, revision, draft, KV-changing settings, weight version) and the entries'
+geometry (dtypes, row shapes, page size, layers, policies, the attention shard
+unless the group is rank-replicated), never pointers, page counts, worker or
+data-parallel identity. kvcr is imported lazily, only where kvcr objects are built.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
@@ -38,10 +35,12 @@ logger = logging.getLogger(__name__)
 
 KEY_TAG = "kvcr-linker-v1"
 NO_MATCH_HASH = -1  # KeyAdapter.decode result for foreign keys; router hashes are >= 0
-_SUPPORTED = (
+SUPPORTED = (
     "the KVCR linker supports dense MHA/MLA pools (MHATokenToKVPool, "
-    "MLATokenToKVPool) and sliding-window SWAKVPool over them, with NHD slot rows "
-    "and no scale buffers"
+    "MLATokenToKVPool), sliding-window SWAKVPool over them, and the direct-linker "
+    "pool groups SGLang builds for DSA and Mamba hybrids, with NHD slot rows and "
+    "no scale buffers outside the group (see 'Model families' in "
+    "docs/kvcr_direct_linker.md)"
 )
 
 
@@ -84,6 +83,14 @@ class Span:
         return self.base_ptr + page_index * self.page_stride_bytes
 
 
+class HitPolicy(enum.Enum):
+    """Which pages of a restored prefix a pool must hold (its transfers' policy)."""
+
+    ALL_PAGES = "all_pages"  # every page (KV-indexed entries)
+    TRAILING_WINDOW = "trailing_window"  # the window's last pages (SWA)
+    LAST_PAGE = "last_page"  # the state at the prefix's last page (Mamba)
+
+
 @dataclass(frozen=True, slots=True)
 class PoolLayout:
     """One KVCR pool: equal-sized spans of one SGLang pool, in fixed part order."""
@@ -92,12 +99,20 @@ class PoolLayout:
     source: str
     spans: tuple[Span, ...]
     mem_type: str = "DRAM"
-    # The SGLang transfer whose device indices address this pool ("kv" or "swa"),
-    # and whether a restore needs only its trailing window of pages.
+    # The SGLang transfer whose device indices address this pool ("kv", "swa",
+    # "mamba"), and which pages of a restored prefix it must hold.
     indices_from: str = "kv"
-    trailing: bool = False
+    policy: HitPolicy = HitPolicy.ALL_PAGES
     device_id: int = 0
+    # Device indices per page of this pool (1 for Mamba state slots; 0: the
+    # layout's page size) and buffer rows per page (0: the same).
+    index_page_size: int = 0
+    rows_per_page: int = 0
     tensors: tuple[torch.Tensor, ...] = field(default=(), compare=False, repr=False)
+    # The entry's index translation (DevicePoolEntry.translate_indices).
+    translate: Callable[[torch.Tensor], torch.Tensor] | None = field(
+        default=None, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         labels = [s.label for s in self.spans]
@@ -119,8 +134,24 @@ class PoolLayout:
             )
 
     @property
+    def trailing(self) -> bool:
+        """Whether a restore needs only some trailing pages of this pool."""
+        return self.policy is not HitPolicy.ALL_PAGES
+
+    @property
     def page_bytes(self) -> int:
         return self.spans[0].page_bytes
+
+    def device_pages(
+        self, indices: torch.Tensor, pages: int, page_size: int
+    ) -> torch.Tensor:
+        """Page numbers of the first ``pages`` pages of a transfer's device
+        indices, translated as the entry does, where the tensor lives (no host
+        sync on CUDA)."""
+        step = self.index_page_size or page_size
+        if self.translate is not None:
+            indices = self.translate(indices)
+        return (indices[: pages * step : step] // step).long()
 
     @property
     def num_pages(self) -> int:
@@ -197,6 +228,14 @@ class PageLayout:
     window_pools: tuple[PoolLayout, ...] = field(init=False, compare=False, repr=False)
     full_names: frozenset[str] = field(init=False, compare=False, repr=False)
     window_names: frozenset[str] = field(init=False, compare=False, repr=False)
+    # (index source, its window pools' names) per trailing source, in pool order.
+    window_groups: tuple[tuple[str, frozenset[str]], ...] = field(
+        init=False, compare=False, repr=False
+    )
+    # The DevicePoolGroup's entries by name: SGLang's ``linker.pools``.
+    entry_map: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    # The group's KV is the same on every attention rank (MLA, DSA).
+    rank_replicated: bool = False
     # Bytes of one page's object in each pool (every part), and across pools.
     object_bytes: dict[str, int] = field(init=False, compare=False, repr=False)
     page_total: int = field(init=False, compare=False, repr=False)
@@ -208,6 +247,12 @@ class PageLayout:
         object.__setattr__(self, "window_pools", window)  # trailing window only
         object.__setattr__(self, "full_names", frozenset(p.name for p in full))
         object.__setattr__(self, "window_names", frozenset(p.name for p in window))
+        sources = dict.fromkeys(p.indices_from for p in window)
+        groups = tuple(
+            (s, frozenset(p.name for p in window if p.indices_from == s))
+            for s in sources
+        )
+        object.__setattr__(self, "window_groups", groups)
         sizes = {p.name: p.page_bytes * len(p.spans) for p in self.pools}
         object.__setattr__(self, "object_bytes", sizes)
         object.__setattr__(self, "page_total", sum(sizes.values()))
@@ -221,43 +266,59 @@ class PageLayout:
         identity: ModelIdentity,
         draft_pool: Any = None,
     ) -> PageLayout:
-        """Describe ``kvcache`` (KVCR pool ``kv``) and a sidecar ``draft`` pool.
+        """The layout of a plain MHA/MLA or FULL+SWA pool (and a ``draft`` pool):
+        the group ``pool_group_layout.plain_group`` builds for it.
 
         Raises :class:`KVCRLayoutError` for pools it cannot describe exactly.
         """
-        if not 0 <= identity.tp_rank < identity.tp_size:
-            raise KVCRLayoutError(f"bad attention TP shard in {identity}")
+        from sglang.srt.mem_cache.storage.kvcr import pool_group_layout
+
         if draft_pool is not None and not identity.draft:
             raise KVCRLayoutError("a draft KV pool needs ModelIdentity.draft set")
-        sources = _sources(kvcache)
-        if draft_pool is not None:
-            sources.append(("draft", draft_pool, None))
-        pools: list[PoolLayout] = []
-        geometry: list[dict[str, object]] = []
-        for source, pool, layers in sources:
-            geometry.append(_check_pool(pool, page_size))
-            pools.extend(_pool_layouts(source, pool, page_size, layers))
+        group = pool_group_layout.plain_group(kvcache, page_size, draft_pool)
+        return cls.from_pool_group(group, identity=identity)
+
+    @classmethod
+    def from_pool_group(cls, group: Any, *, identity: ModelIdentity) -> PageLayout:
+        """One KVCR pool per entry of SGLang's ``DevicePoolGroup`` (split by page
+        size), keyed by the identity and the entries' geometry."""
+        from sglang.srt.mem_cache.storage.kvcr import pool_group_layout
+
+        if not 0 <= identity.tp_rank < identity.tp_size:
+            raise KVCRLayoutError(f"bad attention TP shard in {identity}")
+        page_size = int(group.page_size)
+        described = [
+            pool_group_layout.describe_entry(e, page_size) for e in group.entries
+        ]
+        pools = [p for entry_pools, _ in described for p in entry_pools]
+        geometry = [entry_geometry for _, entry_geometry in described]
+        if not pools or pools[0].trailing:
+            raise KVCRLayoutError(
+                f"pool group {[p.name for p in pools]} has no KV-indexed pool "
+                f"first; {SUPPORTED}"
+            )
         layout_part = {
             "tag": KEY_TAG,
             "page_size": page_size,
-            "sharded": any(g["kind"] == "mha" for g in geometry),
+            "sharded": not group.rank_replicated,
             "geometry": geometry,
-            "pools": [
-                [
-                    p.name,
-                    p.page_bytes,
-                    p.indices_from,
-                    p.trailing,
-                    [[s.label, s.layer] for s in p.spans],
-                ]
-                for p in pools
-            ],
+            "pools": [[p.name, p.page_bytes, p.policy.value] for p in pools],
         }
         blob = json.dumps(layout_part, sort_keys=True, default=str)
-        num_layers = 1 + max(s.layer for p in pools for s in p.spans)
+        num_layers = max(
+            int(group.num_layers), 1 + max(s.layer for p in pools for s in p.spans)
+        )
         digest = _digest(identity, blob)
-        layout = cls(tuple(pools), page_size, num_layers, digest, blob)
-        summary = [(p.name, len(p.spans), p.page_bytes) for p in pools]
+        layout = cls(
+            tuple(pools),
+            page_size,
+            num_layers,
+            digest,
+            blob,
+            dict(group.entry_map),
+            bool(group.rank_replicated),
+        )
+        summary = [(p.name, p.policy.value, len(p.spans), p.page_bytes) for p in pools]
         logger.info(
             "KVCR page layout %s: pools=%s layers=%d", digest, summary, num_layers
         )
@@ -385,122 +446,3 @@ def plan_capacity(
         PoolCapacity(p.name, p.page_bytes, n, n * p.page_bytes) for p, n in slots
     )
     return CapacityPlan(pages, pools, budget, budget - pages * per_page)
-
-
-def _check_pool(pool: Any, page_size: int) -> dict[str, object]:
-    from sglang.srt.mem_cache.memory_pool import (
-        MHATokenToKVPool,
-        MLATokenToKVPool,
-        PageMajorMHATokenToKVPool,
-    )
-
-    name, attrs, reason = type(pool).__name__, getattr(pool, "__dict__", {}), ""
-    if isinstance(pool, PageMajorMHATokenToKVPool):
-        reason = "page-major pools have no per-layer contiguous regions"
-    elif any(v is not None for k, v in attrs.items() if k.endswith("scale_buffer")):
-        reason = "scaled KV caches (scale buffers) are not supported"
-    elif getattr(pool, "kv_cache_layout", "nhd") != "nhd":
-        reason = f"layout {pool.kv_cache_layout!r} is not NHD slot rows"
-    elif getattr(pool, "layer_shard_enabled", False):
-        reason = "layer-sharded pools do not own every layer"
-    elif type(pool) not in (MHATokenToKVPool, MLATokenToKVPool):
-        reason = "this pool class cannot be described"
-    elif pool.page_size != page_size:
-        reason = f"its page_size {pool.page_size} differs from {page_size}"
-    if reason:
-        raise KVCRLayoutError(f"{name}: {reason}; {_SUPPORTED}")
-    dims = ("head_num", "head_dim", "v_head_dim")
-    if type(pool) is MLATokenToKVPool:
-        dims = ("kv_lora_rank", "qk_rope_head_dim", "kv_cache_dim")
-    geometry = {d: getattr(pool, d) for d in ("dtype", "store_dtype", *dims)}
-    return {
-        **geometry,
-        "class": name,
-        "kind": "mla" if "kv_lora_rank" in dims else "mha",
-    }
-
-
-def _sources(kvcache: Any) -> list[tuple[str, Any, dict[int, int] | None]]:
-    """(KVCR pool name, SGLang pool, buffer index -> transfer layer) per sub-pool."""
-    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
-
-    if not isinstance(kvcache, SWAKVPool):
-        return [("kv", kvcache, None)]
-    if type(kvcache) is not SWAKVPool:
-        raise KVCRLayoutError(
-            f"{type(kvcache).__name__}: only the plain SWAKVPool sliding-window "
-            f"layout can be described; {_SUPPORTED}"
-        )
-    start = int(getattr(kvcache, "start_layer", 0))
-    full: dict[int, int] = {}
-    window: dict[int, int] = {}
-    for global_layer, (index, is_swa) in kvcache.layers_mapping.items():
-        (window if is_swa else full)[int(index)] = int(global_layer) - start
-    return [
-        ("kv", kvcache.full_kv_pool, full),
-        ("swa", kvcache.swa_kv_pool, window),
-    ]
-
-
-def _pool_layouts(
-    source: str, pool: Any, page_size: int, layers: dict[int, int] | None
-) -> list[PoolLayout]:
-    def layer_of(index: int) -> int:
-        if layers is None:
-            return index
-        if index not in layers:
-            raise KVCRLayoutError(
-                f"{type(pool).__name__}: buffer {index} of {source!r} has no model "
-                "layer in the pool's layers_mapping"
-            )
-        return layers[index]
-
-    if hasattr(pool, "k_buffer"):
-        parts = [
-            (f"{kind}{layer}", layer_of(layer), bufs[layer])
-            for layer in range(len(pool.k_buffer))
-            for kind, bufs in (("k", pool.k_buffer), ("v", pool.v_buffer))
-        ]
-    else:
-        parts = [
-            (f"kv{layer}", layer_of(layer), t) for layer, t in enumerate(pool.kv_buffer)
-        ]
-    groups: dict[int, list[tuple[str, int, torch.Tensor]]] = {}
-    for part, layer, t in parts:
-        if not t.is_contiguous() or t.dim() < 1 or t.shape[0] < page_size:
-            raise KVCRLayoutError(
-                f"{type(pool).__name__}: buffer {part} is not contiguous slot rows; "
-                f"{_SUPPORTED}"
-            )
-        groups.setdefault(page_size * t[0].nbytes, []).append((part, layer, t))
-    devices = {t.device for _, _, t in parts}
-    device = next(iter(devices), torch.device("meta"))
-    if len(devices) != 1 or device.type not in ("cpu", "cuda"):
-        raise KVCRLayoutError(f"{type(pool).__name__}: unsupported devices {devices}")
-    layouts = []
-    for i, (page_bytes, members) in enumerate(groups.items()):
-        name = source if i == 0 else f"{source}_{i}"
-        spans = tuple(
-            Span(
-                label=f"{name}:{part}",
-                base_ptr=t.data_ptr(),
-                page_stride_bytes=page_size * t.stride(0) * t.element_size(),
-                page_bytes=page_bytes,
-                num_pages=t.shape[0] // page_size,
-                layer=layer,
-            )
-            for part, layer, t in members
-        )
-        layouts.append(
-            PoolLayout(
-                name=name,
-                source=source,
-                spans=spans,
-                mem_type="DRAM" if device.type == "cpu" else "VRAM",
-                device_id=device.index or 0,
-                indices_from="swa" if source == "swa" else "kv",
-                trailing=source == "swa",
-                tensors=tuple(t for _, _, t in members),
-            )
-        )
-    return layouts

@@ -101,3 +101,13 @@ def linker_hook(linker: object, name: str) -> Any:
     if callable(default) and value is default:
         return default.__get__(linker)
     return value
+
+
+def merge_held(original: list[Any], held: list[Any], after: list[Any]) -> list[Any]:
+    """Put held requests back in their original positions; new arrivals go last."""
+    held_ids = {id(r) for r in held}
+    after_ids = {id(r) for r in after}
+    original_ids = {id(r) for r in original}
+    merged = [r for r in original if id(r) in held_ids or id(r) in after_ids]
+    merged.extend(r for r in after if id(r) not in original_ids)
+    return merged

@@ -1,12 +1,13 @@
 """What the linker reads off SGLang at start-up, and what it refuses.
 
 The attention rank and group size from the cache groups, the model identity a
-page's digest covers, the one draft KV pool (if any), the pools the wrapper hands
-the linker (FULL, or FULL+SWA over an ``SWAKVPool``), and the refusal of the
-unified virtual-page memory pool on SWA models: each refusal names the model
-family and the flag to change. Then the rank's resources: its KVCR DRAM share,
-the span restorer and staging area, the byte views restores copy into, and the
-arguments every KVCR incarnation is built with.
+page's digest covers, the one draft KV pool (if any), the model family and its
+``DevicePoolGroup`` (``pool_group_layout``), whose entries are the pools the
+wrapper hands the linker, and the refusal of the unified virtual-page memory
+pool on SWA models: each refusal names the model family and the flag to change.
+Then the rank's resources: its KVCR DRAM share, the span restorer and staging
+area, the byte views restores copy into, and the arguments every KVCR
+incarnation is built with.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import logging
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import PoolName
 
 from sglang.srt.mem_cache.storage.kvcr import kvcr_layout, model_identity
 from sglang.srt.mem_cache.storage.kvcr.kvcr_layout import KVCRLayoutError
@@ -63,32 +63,31 @@ def draft_pool(params: Any) -> Any:
     return pools[0] if pools else None
 
 
-def sglang_pools(kvcache: Any, components: Any, layout: Any) -> dict[Any, Any]:
-    """``linker.pools`` for the wrapper (it restores SWA only if SWA is listed).
-
-    Tree components must be FULL, or FULL+SWA over an ``SWAKVPool``: a Mamba
-    state is one slot per request, not a page, and has no KVCR form here.
-    """
+def linker_pools(layout: Any, components: Any) -> dict[Any, Any]:
+    """``linker.pools`` for the wrapper: the group's entries (it restores SWA
+    only if SWA is listed), each tree component's pool among them."""
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
     kinds = {ComponentType(int(c)) for c in components or ()}
-    names = sorted(k.name for k in kinds)
-    windowed = bool(layout.window_pools)
-    if kinds - {ComponentType.FULL, ComponentType.SWA}:
+    pools = dict(layout.entry_map)
+    names = {str(name) for name in pools}
+    wanted = {ComponentType.FULL: "kv", ComponentType.SWA: "swa"}
+    wanted[ComponentType.MAMBA] = "mamba"
+    missing = sorted(k.name for k in kinds if wanted.get(k, "") not in names)
+    if missing:
         raise KVCRLayoutError(
-            f"tree components {names}: the KVCR linker restores FULL attention KV "
-            "and sliding-window (SWA) KV only; hybrid Mamba/linear-attention models "
-            "are not supported (drop --unified-cache-external-linker-backend for "
-            "this model)"
+            f"tree components {missing} have no pool in the KVCR page layout "
+            f"{sorted(names)}; drop --unified-cache-external-linker-backend "
+            "for this model"
         )
-    if (ComponentType.SWA in kinds) != windowed:
-        raise KVCRLayoutError(
-            f"tree components {names} do not match the KV pool "
-            f"{type(kvcache).__name__}: SWA needs an SWAKVPool and vice versa"
-        )
-    if not windowed:
-        return {PoolName.KV: kvcache}
-    return {PoolName.KV: kvcache.full_kv_pool, PoolName.SWA: kvcache.swa_kv_pool}
+    return pools
+
+
+def register_state_counter(params: Any, layout: Any, counter: Any) -> None:
+    """Mamba state is read through the request pool, which waits on the layer
+    counter only once it is registered there (as Mooncake does)."""
+    if any(p.indices_from == "mamba" for p in layout.pools):
+        params.req_to_token_pool.register_layer_transfer_counter(counter)
 
 
 def refuse_virtual_swa_pages(allocator: Any) -> None:
@@ -106,10 +105,10 @@ def refuse_virtual_swa_pages(allocator: Any) -> None:
         )
 
 
-def page_rows(tensor: torch.Tensor, page_size: int, page_bytes: int) -> torch.Tensor:
-    """A byte view of a token-slot buffer with one row per page."""
-    pages = tensor.shape[0] // page_size
-    flat = tensor[: pages * page_size].reshape(-1).view(torch.uint8)
+def page_rows(tensor: torch.Tensor, rows: int, page_bytes: int) -> torch.Tensor:
+    """A byte view of a buffer with one row per page (``rows`` buffer rows)."""
+    pages = tensor.shape[0] // rows
+    flat = tensor[: pages * rows].reshape(-1).view(torch.uint8)
     return flat.view(pages, page_bytes)
 
 
@@ -142,7 +141,10 @@ def build_resources(
         plan.unused_bytes,
     )
     dest_rows = {
-        pool.name: [page_rows(t, page_size, pool.page_bytes) for t in pool.tensors]
+        pool.name: [
+            page_rows(t, pool.rows_per_page or page_size, pool.page_bytes)
+            for t in pool.tensors
+        ]
         for pool in layout.pools
     }
     memory = HostMemory(pin=device.is_cuda)
@@ -207,6 +209,7 @@ def describe_rank(server_args: Any, params: Any, components: Any) -> RankDescrip
     """This rank's description from SGLang's flags and cache params, refusing
     what the linker cannot describe exactly (naming the flag)."""
     from sglang.srt.mem_cache.storage.kvcr.plugin import refuse_unsupported_topology
+    from sglang.srt.mem_cache.storage.kvcr.pool_group_layout import pool_group
     from sglang.srt.mem_cache.storage.kvcr.rank_placement import (
         attention_replica,
         placement_of,
@@ -219,12 +222,19 @@ def describe_rank(server_args: Any, params: Any, components: Any) -> RankDescrip
         server_args, shard_rank, shard_size, *attention_replica(server_args)
     )
     identity = kvcache_layout_identity(server_args, shard_rank, shard_size)
-    layout = kvcr_layout.PageLayout.from_kv_pool(
-        kvcache, int(params.page_size), identity=identity, draft_pool=draft_pool(params)
+    family, group = pool_group(
+        kvcache, params, set(components), lambda: draft_pool(params)
     )
+    if "draft" in map(str, group.entry_map) and not identity.draft:
+        raise KVCRLayoutError(
+            f"{family} model: a draft KV pool is present but no "
+            "--speculative-draft-model-path names the draft (ModelIdentity.draft)"
+        )
+    layout = kvcr_layout.PageLayout.from_pool_group(group, identity=identity)
     load_format = str(getattr(server_args, "load_format", None) or "auto")
     weights = model_identity.WeightsTracker(identity, load_format)
-    pools = sglang_pools(kvcache, components, layout)
-    if layout.window_pools:
+    pools = linker_pools(layout, components)
+    if "swa" in map(str, pools):
         refuse_virtual_swa_pages(params.token_to_kv_pool_allocator)
+    logger.info("KVCR model family %s: pools %s", family, sorted(map(str, pools)))
     return RankDescription(placement, layout, weights, pools)

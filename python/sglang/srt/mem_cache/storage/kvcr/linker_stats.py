@@ -6,13 +6,52 @@ resident, claims held, ...). ``snapshot`` merges both with the adapter's budget
 counters and the hint parser's, as one flat dict keyed by the names the
 ``KVCR_STATS`` line prints (``misses`` and ``hints`` are nested dicts), and
 ``stats_line`` formats exactly that dict, so the log line, the drivers that parse
-it and any exporter see the same numbers under the same names.
+it and any exporter see the same numbers under the same names. ``Samples``
+keeps the durations behind the wait and copy figures, one by one, for the
+Prometheus histograms (linker_metrics): nothing is kept until an exporter turns
+it on, and at most ``SAMPLES_KEPT`` of each kind wait for it to drain them.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import enum
 from typing import Any
+
+SAMPLES_KEPT = 4096  # per kind, between two drains (the oldest are dropped)
+
+
+class Sample(enum.Enum):
+    """What a recorded duration measured."""
+
+    PREPARE_WAIT = "prepare_wait"  # a preparation's start until its pages landed
+    ADMISSION_WAIT = "admission_wait"  # first readiness-gate hold until release
+    RESTORE_COPY = "restore_copy"  # one request's restore batch copy
+
+
+@dataclasses.dataclass(slots=True)
+class Samples:
+    """Durations in seconds since the exporter last drained them. Appends and
+    drains may run on different threads (restore copies run on the loader)."""
+
+    kept: bool = False  # set by an exporter; off, ``add`` keeps nothing
+    values: dict[Sample, collections.deque[float]] = dataclasses.field(
+        default_factory=lambda: {
+            kind: collections.deque(maxlen=SAMPLES_KEPT) for kind in Sample
+        }
+    )
+
+    def add(self, kind: Sample, seconds: float) -> None:
+        if self.kept:
+            self.values[kind].append(seconds)
+
+    def drain(self, kind: Sample) -> list[float]:
+        """The durations of ``kind`` recorded since the last drain, oldest first."""
+        queue, out = self.values[kind], []
+        while queue:
+            out.append(queue.popleft())
+        return out
 
 
 @dataclasses.dataclass(slots=True)
@@ -53,6 +92,7 @@ class LinkerStats:
     refused_abandoned: int = 0
     evicted_pages: int = 0
     refused_weights_changed: int = 0  # lookups between a weight update and flush
+    samples: Samples = dataclasses.field(default_factory=Samples)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -66,6 +106,8 @@ class Gauges:
     resident_keys: int
     claims_held: int
     inbound_refused: int
+    dram_used_bytes: int = 0  # bytes of the objects resident in KVCR DRAM
+    dram_bytes: int = 0  # this rank's KVCR DRAM share, as allocated
 
 
 def snapshot(
@@ -114,6 +156,8 @@ def snapshot(
         "abandoned_bytes": g.abandoned_bytes,
         "refused_abandoned": s.refused_abandoned,
         "resident_keys": g.resident_keys,
+        "dram_used_bytes": g.dram_used_bytes,
+        "dram_bytes": g.dram_bytes,
         "claims_held": g.claims_held,
         "refused_offload": adapter.refused_offload,
         "refused_prepare": adapter.refused_prepare,
@@ -153,10 +197,13 @@ def snapshot_of(linker: Any) -> dict[str, Any]:
     gauges = Gauges(
         peer_fetches_off=linker.dram.peer_fetches_off,
         quarantined_bytes=linker.quarantined_bytes(),
-        pinned_bytes=linker.pinned_bytes(),
+        pinned_bytes=linker.dram.memory.pinned_bytes,
         abandoned_bytes=linker.abandoned_bytes(),
         resident_keys=len(linker.residency),
         claims_held=linker.claims_held(),
-        inbound_refused=linker.inbound_refused(),
+        inbound_refused=linker.session.inbound_refused(),
+        dram_used_bytes=linker.residency.bytes,
+        dram_bytes=sum(t.nbytes for t in linker.dram.storage.values()),
     )
-    return snapshot(linker.stats, gauges, linker.adapter_stats(), linker.hint_stats())
+    adapter = linker.session.stats()  # counters summed over flushes
+    return snapshot(linker.stats, gauges, adapter, linker.hints.stats.as_dict())

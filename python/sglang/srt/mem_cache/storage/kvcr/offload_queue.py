@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from sglang.srt.mem_cache.storage.kvcr.device_streams import fences_done
-from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import Deposit, EntryStatus, OpDone
+from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import Deposit, EntryStatus, OpDone
 
 logger = logging.getLogger(__name__)
 

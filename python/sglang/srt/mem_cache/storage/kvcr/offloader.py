@@ -16,20 +16,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
 from sglang.srt.mem_cache.storage.kvcr.device_streams import DeviceBinding
-from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import Deposit, OpDone
+from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import Deposit, OpDone
 from sglang.srt.mem_cache.storage.kvcr.kvcr_layout import KVCRLayoutError
 from sglang.srt.mem_cache.storage.kvcr.linker_stats import LinkerStats
 from sglang.srt.mem_cache.storage.kvcr.offload_queue import (
     DeferredOffload,
     OffloadOutcome,
     OffloadQueue,
-    OffloadRecord,
     PoolPages,
     select,
     split_deposits,
@@ -67,7 +67,7 @@ class Offloader:
         transfers: list[PoolTransfer],
         adapter: Any,
         agent: str,
-        ready_events: Callable[[], tuple[Any, ...]],
+        ready_events: Callable[[], Iterable[Any]],
         refuse: bool,
     ) -> None:
         """Queue one offload's result and start its deposits (``refuse``: store
@@ -77,105 +77,97 @@ class Offloader:
         record = self.queue.push()
         self.stats.offloads += 1
         try:
-            self._offload(record, transfers, adapter, agent, ready_events, refuse)
+            by_name = {t.name: t for t in transfers}
+            kv = by_name.get(PoolName.KV)
+            step = self.page_size
+            if (
+                refuse
+                or kv is None
+                or not kv.keys
+                or not covers(kv.device_indices, len(kv.keys), step)
+            ):
+                record.fail()  # nothing (or not every page) to read: stored nothing
+                return
+            # Per KVCR pool: the page hashes it stores and their device pages (a tensor
+            # on the pools' device: nothing here waits for the GPU), translated as its
+            # entry does. Trailing pools store their own transfer's pages (SWA pages
+            # still holding window KV, the node's last-page Mamba state).
+            kv_keys = list(kv.keys)
+            ordinal = {h: i for i, h in enumerate(kv_keys)}  # staging ordinal per page
+            groups = [
+                self._trailing_pages(pool, by_name, ordinal)
+                if pool.trailing
+                else PoolPages(
+                    pool,
+                    kv_keys,
+                    _pool_pages(pool, kv.device_indices, len(kv_keys), step),
+                )
+                for pool in self.layout.pools
+            ]
+            groups = [g for g in groups if g.keys]
+            record.nbytes = sum(
+                self.layout.object_bytes[g.pool.name] * len(g.keys) for g in groups
+            )
+            self.stats.offload_pages += len(kv_keys)
+            events = tuple(ready_events())  # after every kernel above, on this stream
+            staging = self.staging
+            if staging is None:
+                # Direct path: built and submitted by a later pump, once the events say
+                # the pages are written and their numbers have reached the host (no
+                # wait here: this thread has the batch's output to stream).
+                host = [dataclasses.replace(g, pages=to_host(g.pages)) for g in groups]
+                fences = (*events, *self._device.record_fences(None))
+                deadline = time.monotonic() + self._timeout_s
+                self.queue.defer(DeferredOffload(record, host, fences, deadline))
+                return
+            slots = staging.alloc(len(kv_keys))
+            if slots is None:
+                self.stats.offload_staging_full += 1
+                record.fail()  # backpressure: the staging area is full
+                return
+            try:
+                blocks = {
+                    self.layout.block_key(h, g.pool.name): staging.memory_refs(
+                        agent, g.pool, slots[ordinal[h]]
+                    )
+                    for g in groups
+                    for h in g.keys
+                }
+            except BaseException:
+                staging.free(slots)
+                raise
+            op_id = adapter.next_op_id()
+            record.pending = 1
+            self.queue.track(op_id, record, slots)
+            deposit = Deposit(op_id=op_id, blocks=blocks, nbytes=record.nbytes)
+            staging.stage(
+                StageJob(
+                    copies=tuple(
+                        (g.pool.name, g.pages, tuple(slots[ordinal[h]] for h in g.keys))
+                        for g in groups
+                    ),
+                    events=events,
+                    # The incarnation these slots' deposit belongs to.
+                    submit=lambda: adapter.submit(deposit),
+                    fail=lambda exc: adapter.fail_op(deposit),
+                )
+            )
         except BaseException:
             # Not queued (the wrapper drops its lock and re-raises): no FIFO slot.
             self.queue.withdraw(record)
             raise
 
-    def _offload(
-        self,
-        record: OffloadRecord,
-        transfers: list[PoolTransfer],
-        adapter: Any,
-        agent: str,
-        ready_events: Callable[[], tuple[Any, ...]],
-        refuse: bool,
-    ) -> None:
-        by_name = {t.name: t for t in transfers}
-        kv = by_name.get(PoolName.KV)
-        step = self.page_size
-        if (
-            refuse
-            or kv is None
-            or not kv.keys
-            or not covers(kv.device_indices, len(kv.keys), step)
-        ):
-            record.fail()  # nothing (or not every page) to read: stored nothing
-            return
-        # Per KVCR pool: the page hashes it stores and their device pages (a tensor
-        # on the pools' device: nothing here waits for the GPU). Window pools store
-        # the SWA transfer's pages (those still holding window KV).
-        kv_keys = list(kv.keys)
-        ordinal = {h: i for i, h in enumerate(kv_keys)}  # staging ordinal per page
-        kv_pages = page_numbers(kv.device_indices, len(kv_keys), step)
-        window = by_name.get(PoolName.SWA)
-        window_keys: list[str] = []
-        window_pages = kv_pages[:0]
-        if (
-            window is not None
-            and window.keys
-            and covers(window.device_indices, len(window.keys), step)
-        ):
-            keep = [j for j, h in enumerate(window.keys) if h in ordinal]
-            window_keys = [window.keys[j] for j in keep]
-            window_pages = select(
-                page_numbers(window.device_indices, len(window.keys), step), keep
-            )
-        groups = [
-            PoolPages(pool, window_keys, window_pages)
-            if pool.trailing
-            else PoolPages(pool, kv_keys, kv_pages)
-            for pool in self.layout.pools
-        ]
-        groups = [g for g in groups if g.keys]
-        record.nbytes = sum(
-            self.layout.object_bytes[g.pool.name] * len(g.keys) for g in groups
-        )
-        self.stats.offload_pages += len(kv_keys)
-        events = ready_events()  # after every kernel above, on this stream
-        staging = self.staging
-        if staging is None:
-            # Direct path: built and submitted by a later pump, once the events say
-            # the pages are written and their numbers have reached the host (no
-            # wait here: this thread has the batch's output to stream).
-            host = [dataclasses.replace(g, pages=to_host(g.pages)) for g in groups]
-            fences = (*events, *self._device.record_fences(None))
-            deadline = time.monotonic() + self._timeout_s
-            self.queue.defer(DeferredOffload(record, host, fences, deadline))
-            return
-        slots = staging.alloc(len(kv_keys))
-        if slots is None:
-            self.stats.offload_staging_full += 1
-            record.fail()  # backpressure: the staging area is full
-            return
-        try:
-            blocks = {
-                self.layout.block_key(h, g.pool.name): staging.memory_refs(
-                    agent, g.pool, slots[ordinal[h]]
-                )
-                for g in groups
-                for h in g.keys
-            }
-        except BaseException:
-            staging.free(slots)
-            raise
-        op_id = adapter.next_op_id()
-        record.pending = 1
-        self.queue.track(op_id, record, slots)
-        deposit = Deposit(op_id=op_id, blocks=blocks, nbytes=record.nbytes)
-        staging.stage(
-            StageJob(
-                copies=tuple(
-                    (g.pool.name, g.pages, tuple(slots[ordinal[h]] for h in g.keys))
-                    for g in groups
-                ),
-                events=events,
-                # The incarnation these slots' deposit belongs to.
-                submit=lambda: adapter.submit(deposit),
-                fail=lambda exc: adapter.fail_op(deposit),
-            )
-        )
+    def _trailing_pages(
+        self, pool: Any, by_name: dict[Any, PoolTransfer], ordinal: dict[str, int]
+    ) -> PoolPages:
+        """The pages of ``pool``'s own transfer among the KV transfer's pages."""
+        t = next((t for n, t in by_name.items() if str(n) == pool.indices_from), None)
+        step = pool.index_page_size or self.page_size
+        if t is None or not t.keys or not covers(t.device_indices, len(t.keys), step):
+            return PoolPages(pool, [], torch.empty(0, dtype=torch.long))
+        keep = [j for j, h in enumerate(t.keys) if h in ordinal]
+        pages = _pool_pages(pool, t.device_indices, len(t.keys), self.page_size)
+        return PoolPages(pool, [t.keys[j] for j in keep], select(pages, keep))
 
     def submit_ready(self, adapter: Any, agent: str) -> None:
         """Submit the direct-path offloads whose pages are ready, in order."""
@@ -228,3 +220,11 @@ class Offloader:
     def close(self, timeout_s: float) -> bool:
         self.queue.clear_deferred()
         return self.staging is None or self.staging.close(timeout_s)
+
+
+def _pool_pages(pool: Any, indices: Any, pages: int, page_size: int) -> Any:
+    """``pool``'s device page numbers of a transfer's first ``pages`` pages, its
+    entry's index translation applied (a tensor where the indices live)."""
+    if pool.translate is not None:
+        indices = pool.translate(indices)
+    return page_numbers(indices, pages, pool.index_page_size or page_size)

@@ -3,11 +3,16 @@
 ``register()`` runs in every SGLang process through the ``sglang.srt.plugins``
 entry-point group, before server arguments are parsed. It adds three hooks: an
 AFTER hook on ``ServerArgs.add_cli_args`` that makes ``kvcr`` a valid
-``--unified-cache-external-linker-backend`` choice, an AFTER hook on the frontend's
-hierarchical-cache validation that parses the KVCR config at startup (so a bad
-value fails before any worker starts, naming the field), and an AROUND hook on
-``create_unified_cache_linker`` that builds ``KVCRDirectLinker`` for ``kvcr``.
-Registration imports only SGLang's hook registry and the light config module.
+``--unified-cache-external-linker-backend`` choice and has the parser run
+``check_startup`` once it has parsed (a bad config then exits with status 2 and
+one ``<prog>: error:`` line naming the flag, the field and the fix), an AFTER hook
+on the frontend's hierarchical-cache validation that runs the same checks for
+``Engine(...)``, which parses no command line, and an AROUND hook on
+``create_unified_cache_linker`` that builds the rank's linker
+(``replica_follower.build_linker``) for ``kvcr`` and for the ``dynamic`` route
+naming ``KVCRDirectLinker``. It also installs the filter that shortens a scheduler's failed KVCR start to one
+ERROR line (``startup_errors``). Registration imports only SGLang's hook registry
+and light, stdlib-only modules.
 """
 
 from __future__ import annotations
@@ -18,14 +23,19 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from sglang.srt.mem_cache.storage.kvcr import startup_errors
 from sglang.srt.mem_cache.storage.kvcr.config import (
     BACKEND_FLAG,
     BACKEND_NAME,
+    FLAG,
     LINKER_CLASS_NAME,
     LINKER_MODULE_PATH,
     KVCRLinkerConfig,
 )
-from sglang.srt.mem_cache.storage.kvcr.errors import KVCRUnavailableError
+from sglang.srt.mem_cache.storage.kvcr.errors import (
+    KVCRConfigError,
+    KVCRUnavailableError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +60,7 @@ def register() -> None:
     HookRegistry.register(ADD_CLI_ARGS_TARGET, _after_add_cli_args, HookType.AFTER)
     HookRegistry.register(HANDLE_HICACHE_TARGET, _after_handle_hicache, HookType.AFTER)
     HookRegistry.register(CREATE_LINKER_TARGET, _around_create_linker, HookType.AROUND)
+    startup_errors.install_scheduler_filter()
     from sglang.srt.mem_cache.storage.kvcr import integration
 
     integration.register_hooks()
@@ -57,13 +68,18 @@ def register() -> None:
 
 
 def _after_add_cli_args(result: Any, parser: argparse.ArgumentParser) -> None:
-    for action in parser._actions:
-        if BACKEND_FLAG in action.option_strings:
-            choices = list(action.choices or ())
-            if BACKEND_NAME not in choices:
-                action.choices = [*choices, BACKEND_NAME]
-            return
-    logger.warning("kvcr plugin: %s not found; backend not registered", BACKEND_FLAG)
+    actions = {s: a for a in parser._actions for s in a.option_strings}
+    backend = actions.get(BACKEND_FLAG)
+    if backend is None:
+        logger.warning(
+            "kvcr plugin: %s not found; backend not registered", BACKEND_FLAG
+        )
+        return
+    choices = list(backend.choices or ())
+    if BACKEND_NAME not in choices:
+        backend.choices = [*choices, BACKEND_NAME]
+    if FLAG in actions:
+        startup_errors.check_after_parsing(parser, actions[FLAG], check_startup)
 
 
 def uses_kvcr(backend: str, config: object) -> bool:
@@ -90,8 +106,6 @@ _UNSUPPORTED_TOPOLOGY = (
 
 def refuse_unsupported_topology(server_args: Any) -> None:
     """Refuse layouts whose pages the KVCR linker cannot describe, naming the flag."""
-    from sglang.srt.mem_cache.storage.kvcr.errors import KVCRConfigError
-
     for field, flag, why in _UNSUPPORTED_TOPOLOGY:
         value = getattr(server_args, field, 1) or 1
         if value > 1:
@@ -101,14 +115,29 @@ def refuse_unsupported_topology(server_args: Any) -> None:
             )
 
 
-def _after_handle_hicache(result: Any, server_args: Any) -> None:
-    if not getattr(server_args, "enable_unified_cache_external_linker", False):
-        return
+def check_startup(server_args: Any) -> bool:
+    """Refuse what a KVCR start can tell is wrong from the flags alone; True when
+    the flags enable this linker.
+
+    The config is parsed when the flags select this linker and it is enabled or
+    given a config (SGLang's own rule for ``dynamic``); the topology and the tree
+    core only matter once it is enabled. Runs on the parsed namespace (through
+    the parser ``_after_add_cli_args`` prepared) and on ``ServerArgs``.
+    """
     backend = server_args.unified_cache_external_linker_backend
     config = server_args.unified_cache_external_linker_config
-    if uses_kvcr(backend, config):
-        KVCRLinkerConfig.from_startup_config(backend, config)
+    enabled = bool(getattr(server_args, "enable_unified_cache_external_linker", False))
+    if not uses_kvcr(backend, config) or not (enabled or config is not None):
+        return False
+    KVCRLinkerConfig.from_startup_config(backend, config)
+    if enabled:
         refuse_unsupported_topology(server_args)
+        _refuse_other_tree_core()
+    return enabled
+
+
+def _after_handle_hicache(result: Any, server_args: Any) -> None:
+    if check_startup(server_args):
         ensure_python_tree_core()
 
 
@@ -122,7 +151,8 @@ def _around_create_linker(
     components: Any,
     forward_stream: Any = None,
 ) -> Any:
-    if backend != BACKEND_NAME:
+    extra = _kvcr_extra_config(backend, config)
+    if extra is None:
         return original(
             server_args,
             params,
@@ -131,26 +161,43 @@ def _around_create_linker(
             components=components,
             forward_stream=forward_stream,
         )
-    return original(
+    # One builder for both routes: it describes the rank once and picks the
+    # rank's linker (a follower where rank-replicated pools are stored once).
+    from sglang.srt.mem_cache.storage.kvcr.replica_follower import build_linker
+
+    return build_linker(
         server_args,
         params,
-        backend="dynamic",
-        config={
-            "linker": LINKER_CLASS_NAME,
-            "linker_module_path": LINKER_MODULE_PATH,
-            "linker_extra_config": dict(config or {}),
-        },
         components=components,
+        extra_config=extra,
         forward_stream=forward_stream,
     )
 
 
+def _kvcr_extra_config(backend: str, config: Any) -> dict[str, Any] | None:
+    """The KVCR config when the flags select ``KVCRDirectLinker`` (the ``kvcr``
+    alias, or the stock ``dynamic`` route naming it, validated as SGLang does);
+    None for any other linker."""
+    if backend == BACKEND_NAME:
+        return dict(config or {})
+    if not uses_kvcr(backend, config) or config.get("linker") != LINKER_CLASS_NAME:
+        return None
+    from sglang.srt.mem_cache.unified_cache.linker_config import (
+        UnifiedCacheLinkerConfig,
+    )
+
+    return dict(UnifiedCacheLinkerConfig.from_dict(config).linker_extra_config or {})
+
+
 def ensure_python_tree_core() -> None:
     """Select SGLang's Python radix tree core for the KVCR linker (frontend)."""
+    _refuse_other_tree_core()
+    os.environ.setdefault(TREE_CORE_ENV, "python")
+
+
+def _refuse_other_tree_core() -> None:
     chosen = os.environ.get(TREE_CORE_ENV)
-    if chosen is None:
-        os.environ[TREE_CORE_ENV] = "python"
-    elif chosen != "python":
+    if chosen is not None and chosen != "python":
         raise KVCRUnavailableError(
             f"the KVCR linker needs {TREE_CORE_ENV}=python (got {chosen!r}): it "
             "publishes EXTERNAL KV events and clears stored marks on Python tree "

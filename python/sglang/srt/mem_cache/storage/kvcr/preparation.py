@@ -23,9 +23,10 @@ from typing import Any
 from sglang.srt.mem_cache.storage.kvcr.fetch_plan import (
     PoolFetch,
     plan_fetches,
+    restorable_boundaries,
     wanted_pages,
 )
-from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import (
+from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import (
     DiscardHint,
     EntryStatus,
     Fetch,
@@ -36,7 +37,7 @@ from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
     LinkerRequestContext,
     PreparationHandle,
 )
-from sglang.srt.mem_cache.storage.kvcr.linker_stats import LinkerStats
+from sglang.srt.mem_cache.storage.kvcr.linker_stats import LinkerStats, Sample
 
 logger = logging.getLogger(__name__)
 
@@ -298,13 +299,14 @@ class Preparations:
         self,
         rid: str,
         page_hashes: list[str],
-        window: int,
+        window: dict[str, int] | int,
         layout: Any,
         residency: Any,
     ) -> tuple[list[int], list[Command]]:
         """The restorable boundaries of ``rid``'s tail from its claims (``window``:
-        trailing pages that need window-pool claims), and the commands of a
-        preparation it invalidates; each miss is counted by its cause."""
+        trailing pages that need claims in each trailing source's pools, from
+        ``fetch_plan.window_pages``), and the commands of a preparation it
+        invalidates; each miss is counted by its cause."""
         s = self.stats
         prep = self._preps.get(rid)
         if prep is None:
@@ -320,13 +322,7 @@ class Preparations:
         if start is None:  # the device prefix moved past what was prepared
             s.miss_prefix_moved += 1
             return [], self.drop(prep)
-        boundaries = prep.restorable(
-            start,
-            page_hashes,
-            layout.full_names,
-            layout.window_names,
-            window,
-        )
+        boundaries = restorable_boundaries(prep, start, page_hashes, layout, window)
         if not boundaries:
             s.miss_unclaimed += 1
         s.hit_pages += boundaries[-1] if boundaries else 0
@@ -338,6 +334,7 @@ class Preparations:
             self.stats.prepare_done += 1
             self.stats.prepare_ms_total += waited_ms
             self.stats.prepare_ms_max = max(self.stats.prepare_ms_max, waited_ms)
+            self.stats.samples.add(Sample.PREPARE_WAIT, waited_ms / 1000.0)
         prep.state = PrepState.READY
 
     def ready(self, handle: PreparationHandle) -> bool:
@@ -382,6 +379,7 @@ class Preparations:
             s.admission_held_passes += released.passes
             s.admission_wait_ms_total += waited_ms
             s.admission_wait_ms_max = max(s.admission_wait_ms_max, waited_ms)
+            s.samples.add(Sample.ADMISSION_WAIT, waited_ms / 1000.0)
 
     def held_rids(self) -> list[str]:
         return list(self._held)

@@ -47,6 +47,12 @@ class RankPlacement:
     def label(self) -> str:
         return f"r{self.global_rank}"
 
+    def describe(self) -> str:
+        return (
+            f"DP replica {self.replica}, attention rank {self.shard_rank} "
+            f"of {self.shard_size}"
+        )
+
 
 def placement_of(
     server_args: Any, shard_rank: int, shard_size: int, replica: int, replicas: int

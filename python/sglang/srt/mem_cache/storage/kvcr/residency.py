@@ -5,14 +5,16 @@ scheduler thread). ``Residency`` keeps the set of resident keys, answers whether
 page is whole in a set of pools, and collects the page hashes of evictions for the
 stored-mark hook (``take_removed``): a page with any object evicted, in any pool
 (kv, draft, a second KV pool, swa), is no longer whole in KVCR, so its node must be
-offloaded again. A flush starts it empty, under the new layout's keys.
+offloaded again. It also sums the bytes of the resident objects (each key's
+pool, its last field, gives its size). A flush starts it empty, under the new
+layout's keys.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import InventoryChange
+from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import InventoryChange
 
 
 class Residency:
@@ -22,6 +24,8 @@ class Residency:
         self.layout = layout
         self._keys: set[bytes] = set()
         self._removed: list[str] = []
+        self.bytes = 0  # bytes of the resident objects (every part of each)
+        self._sizes = _object_sizes(layout)
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -46,9 +50,13 @@ class Residency:
     def on_inventory(self, change: InventoryChange) -> int:
         """Apply one inventory change; returns how many pages it evicted."""
         if not change.removed:
-            self._keys.update(change.keys)
+            added = [k for k in change.keys if k not in self._keys]
+            self._keys.update(added)
+            self.bytes += sum(map(self._size, added))
             return 0
-        self._keys.difference_update(change.keys)
+        gone = [k for k in change.keys if k in self._keys]
+        self._keys.difference_update(gone)
+        self.bytes -= sum(map(self._size, gone))
         pages = {
             parsed[0]
             for parsed in map(self.parse_key, change.keys)
@@ -66,3 +74,13 @@ class Residency:
         self.layout = layout
         self._keys.clear()
         self._removed.clear()
+        self.bytes = 0
+        self._sizes = _object_sizes(layout)
+
+    def _size(self, key: bytes) -> int:
+        """Bytes of one key's object: its pool is the key's last ``#`` field."""
+        return self._sizes.get(key.rpartition(b"#")[2], 0)
+
+
+def _object_sizes(layout: Any) -> dict[bytes, int]:
+    return {name.encode(): n for name, n in layout.object_bytes.items()}

@@ -29,7 +29,7 @@ from sglang.srt.mem_cache.storage.kvcr.device_streams import (
     drain,
     wait_fences,
 )
-from sglang.srt.mem_cache.storage.kvcr.linker_stats import LinkerStats
+from sglang.srt.mem_cache.storage.kvcr.linker_stats import LinkerStats, Sample
 from sglang.srt.mem_cache.storage.kvcr.preparation import Preparation
 from sglang.srt.mem_cache.storage.kvcr.restore_copy import (
     CpuRestorePlan,
@@ -59,28 +59,31 @@ class LoadJob:
 def plan_load(
     rid: str,
     prep: Preparation | None,
-    kv: PoolTransfer,
-    window: PoolTransfer | None,
+    by_source: dict[str, PoolTransfer],
     layout: Any,
     page_size: int,
 ) -> LoadJob:
-    """The job restoring ``kv``'s pages (and the window pools' from ``window``)
-    from ``prep``'s claims; the claims it takes leave ``prep``."""
+    """The job restoring the KV transfer's pages (and each trailing pool's from
+    its own transfer: SWA's window, Mamba's last-page state) from ``prep``'s
+    claims; the claims it takes leave ``prep``."""
+    kv = by_source["kv"]
     page_hashes = list(kv.keys or ())
     slots: dict[str, list[tuple[int, ...]]] = {p.name: [] for p in layout.pools}
     claims: list[int] = []
     complete = prep is not None
-    # Window pools restore the SWA transfer's pages (the trailing window).
-    window_index = (
-        {h: j for j, h in enumerate(window.keys or ())} if window is not None else {}
-    )
-    if layout.window_pools and (
-        window is None
-        or window.device_indices is None
-        or not window_index
-        or list(window_index) != page_hashes[-len(window_index) :]
-    ):
-        complete = False  # the window must be the restored pages' trailing ones
+    # Trailing pools restore their transfer's pages: the tail's last ones.
+    trailing: dict[str, dict[str, int]] = {}
+    for source, _ in layout.window_groups:
+        t = by_source.get(source)
+        order = {h: j for j, h in enumerate(t.keys or ())} if t is not None else {}
+        if (
+            t is None
+            or t.device_indices is None
+            or not order
+            or list(order) != page_hashes[-len(order) :]
+        ):
+            complete = False  # the window must be the restored pages' trailing ones
+        trailing[source] = order
     for page_hash in page_hashes:
         index = None if prep is None else prep.index_of(page_hash)
         landed = (
@@ -88,22 +91,22 @@ def plan_load(
         ) or {}
         claims.extend(c.claim for c in landed.values())  # released after delivery
         for pool in layout.pools:
-            if pool.trailing and page_hash not in window_index:
+            if pool.trailing and page_hash not in trailing[pool.indices_from]:
                 continue
             entry = landed.get(pool.name)
             if entry is None:
                 complete = False
                 continue
             slots[pool.name].append(entry.slots)
-    # Destination pages stay where SGLang computed them (no host sync): the full
-    # pools take the KV transfer's pages in order, window pools the SWA
-    # transfer's (its keys are the tail's trailing pages, checked above).
+    # Destination pages stay where SGLang computed them (no host sync): each
+    # pool takes its source transfer's pages in order, translated as its entry
+    # does (trailing transfers' keys are the tail's last pages, checked above).
     dest: dict[str, torch.Tensor] = {}
     if complete:
         for pool in layout.pools:
-            source = window if pool.trailing else kv
-            assert source is not None and source.device_indices is not None
-            dest[pool.name] = page_numbers(
+            source = by_source[pool.indices_from]
+            assert source.device_indices is not None
+            dest[pool.name] = pool.device_pages(
                 source.device_indices, len(slots[pool.name]), page_size
             )
     return LoadJob(rid, dest, slots, claims, complete)
@@ -119,21 +122,31 @@ def plan_transfers(
     """``plan_load`` over SGLang's load transfers; None when there is nothing to
     load or the slot indices do not cover the pages (then the wrapper
     recomputes; the answer depends on the transfers only, so every rank agrees)."""
-    from sglang.srt.mem_cache.hicache_storage import PoolName
+    by_source = loadable_sources(rid, transfers, layout, page_size)
+    if by_source is None:
+        return None
+    return plan_load(rid, prep, by_source, layout, page_size)
 
-    by_name = {t.name: t for t in transfers}
-    kv = by_name.get(PoolName.KV)
+
+def loadable_sources(
+    rid: str, transfers: list[PoolTransfer], layout: Any, page_size: int
+) -> dict[str, PoolTransfer] | None:
+    """The load transfers by name, or None when ``plan_transfers`` refuses them
+    (no KV pages, or slot indices that do not cover them)."""
+    by_source = {str(t.name): t for t in transfers}
+    kv = by_source.get("kv")
     if kv is None or not kv.keys:
         return None
-    window = by_name.get(PoolName.SWA)
-    if not covers(kv.device_indices, len(kv.keys), page_size) or (
-        window is not None
-        and window.keys
-        and not covers(window.device_indices, len(window.keys), page_size)
-    ):
+    short = not covers(kv.device_indices, len(kv.keys), page_size)
+    for pool in layout.window_pools:
+        t = by_source.get(pool.indices_from)
+        step = pool.index_page_size or page_size
+        if t is not None and t.keys and not covers(t.device_indices, len(t.keys), step):
+            short = True
+    if short:
         logger.warning("KVCR load for %s: slot indices do not cover its pages", rid)
         return None
-    return plan_load(rid, prep, kv, window, layout, page_size)
+    return by_source
 
 
 class Restorer:
@@ -178,8 +191,13 @@ class Restorer:
     def paused(self) -> bool:
         return time.monotonic() < self._paused_until
 
-    def queue(self, job: LoadJob) -> list[int]:
-        """Queue ``job``; the claims of a job it replaces (to release)."""
+    def queue(self, job: LoadJob, pages: int) -> list[int]:
+        """Queue ``job`` (a load of ``pages`` pages); the claims of a job it
+        replaces (to release)."""
+        self.stats.loads += 1
+        self.stats.load_pages += pages
+        if not job.complete:
+            self.stats.load_failures += 1
         old = self._queued.pop(job.rid, None)
         self._queued[job.rid] = job
         return [] if old is None else old.claims
@@ -286,6 +304,7 @@ class Restorer:
         fences: tuple[Any, ...] = (),
         stream: Any = None,
     ) -> None:
+        started = time.monotonic()
         try:
             with self._device.on(stream):
                 wait_fences(stream, fences)
@@ -300,6 +319,10 @@ class Restorer:
             self.counter.fail(index, exc)
             return
         self._failures = 0  # a batch landed: restores run normally
+        copied_s = time.monotonic() - started  # each request waited the whole batch
+        for job in jobs:
+            if job.complete:
+                self.stats.samples.add(Sample.RESTORE_COPY, copied_s)
 
     def _pause(self) -> None:
         """A copy failed: lookups miss for a while, longer after each failure in

@@ -1,0 +1,406 @@
+"""Real SGLang device pools of each model family on CPU, a UnifiedRadixCache over
+them with that family's tree components, and the KVCR linker built the production
+way (SGLang's linker factory). Test support only.
+
+``build(family)`` returns a :class:`FamilyStack`; ``round_trip(stack)`` writes
+random bytes into every buffer a family restores (slot rows of the full-attention
+pools and the draft, indexer pages, SWA rows, one Mamba state slot), inserts the
+sequence (write-through to KVCR), evicts it from the device, zeroes every buffer,
+then matches, prepares, loads back and finishes one request, and returns what was
+written and what landed in the request's own slots, buffer by buffer, as bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from array import array
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from cpu_harness import kvcr_stack
+from cpu_harness.kvcr_pages import wait_until
+
+HEADS, DIM, LORA, ROPE = 2, 8, 16, 8
+CONFIG = {
+    "local_dram_bytes_per_worker": 4 << 20,
+    "operation_timeout_ms": 5000,
+    "abandon_timeout_ms": 10000,
+    "preparation_timeout_ms": 10000,
+}
+
+
+@dataclasses.dataclass
+class FamilyStack:
+    family: str
+    page: int
+    server_args: Any
+    cache: Any
+    linker: Any
+    allocator: Any
+    kvcache: Any
+    params: Any
+    # name -> buffers addressed by token slots (a page is ``page`` rows)
+    slot_buffers: dict[str, list[torch.Tensor]]
+    # name -> buffers with one row per page (DSA indexer)
+    page_buffers: dict[str, list[torch.Tensor]]
+    swa_buffers: list[torch.Tensor]
+    mamba_states: list[torch.Tensor]  # (layers, slots, ...) per state kind
+    window_pages: int = 0
+
+
+def publish_server_args(page: int, draft: str | None = None) -> Any:
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    args = ServerArgs(
+        model_path="dummy",  # no HF config is read
+        load_format="dummy",
+        page_size=page,
+        device="cpu",
+        enable_unified_cache_external_linker=True,
+        unified_cache_external_linker_backend="kvcr",
+        unified_cache_external_linker_config=dict(CONFIG),
+    )
+    args._mamba_cache_chunk_size = 64  # no HF config supplies it for "dummy"
+    if draft:
+        args.speculative_draft_model_path = draft
+    set_global_server_args_for_scheduler(args)
+    return args
+
+
+def mamba_request_pool(layers: list[int], context: int) -> Any:
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.environ import envs
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+    with envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
+        shape = Mamba2StateShape.create(
+            tp_world_size=1,
+            intermediate_size=64,
+            n_groups=1,
+            num_heads=2,
+            head_dim=8,
+            state_size=4,
+            conv_kernel=4,
+        )
+        params = Mamba2CacheParams(shape=shape, layers=layers)
+    return HybridReqToTokenPool(
+        size=4,
+        mamba_size=8,
+        mamba_spec_state_size=4,
+        max_context_len=context,
+        device="cpu",
+        enable_memory_saver=False,
+        cache_params=params,
+        mamba_layer_ids=layers,
+        enable_mamba_extra_buffer=False,
+        speculative_num_draft_tokens=3,
+    )
+
+
+def mha_pool(size: int, page: int, layers: int) -> Any:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    return MHATokenToKVPool(
+        size, page, torch.bfloat16, HEADS, DIM, layers, "cpu", False
+    )
+
+
+def _mla(size: int, page: int, layers: int) -> Any:
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    return MLATokenToKVPool(
+        size, page, torch.bfloat16, LORA, ROPE, layers, "cpu", False
+    )
+
+
+def _paged(size: int, page: int, kvcache: Any) -> Any:
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+
+    return PagedTokenToKVPoolAllocator(
+        size, page, torch.bfloat16, "cpu", kvcache, False
+    )
+
+
+def _swa(size: int, page: int, full: list[int], window: list[int]) -> tuple[Any, Any]:
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    kvcache = SWAKVPool(
+        size=size,
+        size_swa=size,
+        page_size=page,
+        dtype=torch.bfloat16,
+        head_num=HEADS,
+        head_dim=DIM,
+        swa_attention_layer_ids=window,
+        full_attention_layer_ids=full,
+        device="cpu",
+    )
+    allocator = SWATokenToKVPoolAllocator(
+        size=size,
+        size_swa=size,
+        page_size=page,
+        dtype=torch.bfloat16,
+        device="cpu",
+        kvcache=kvcache,
+        need_sort=False,
+    )
+    return kvcache, allocator
+
+
+def _kv(pool: Any) -> list[torch.Tensor]:
+    if hasattr(pool, "k_buffer"):
+        return [*pool.k_buffer, *pool.v_buffer]
+    return list(pool.kv_buffer)
+
+
+def _states(r2t: Any) -> list[torch.Tensor]:
+    cache = r2t.mamba_pool.mamba_cache
+    return [s for s in (cache.temporal, *cache.conv) if s.numel()]
+
+
+PAGES = {"DSA": 64, "FULL+MAMBA": 1, "FULL+SWA+MAMBA": 1}  # the rest: 4
+
+
+def family_parts(family: str, page: int) -> dict[str, Any]:
+    """Pools, allocator and what to compare, per family (page 4; DSA needs 64;
+    Mamba without its extra tracking buffer needs 1)."""
+    from sglang.srt.mem_cache.memory_pool import (
+        DSATokenToKVPool,
+        HybridLinearKVPool,
+        ReqToTokenPool,
+    )
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType as C
+
+    out: dict[str, Any] = {"components": (C.FULL,)}
+    size = 256
+    if family in ("MHA", "draft"):
+        kvcache = mha_pool(size, 4, 2)
+        out.update(kvcache=kvcache, allocator=_paged(size, 4, kvcache))
+        out["slot"] = {"kv": _kv(kvcache)}
+        if family == "draft":
+            draft = mha_pool(size, 4, 1)
+            out.update(sidecar=(draft,))
+            out["slot"]["draft"] = _kv(draft)
+    elif family == "MLA":
+        kvcache = _mla(size, 4, 2)
+        out.update(kvcache=kvcache, allocator=_paged(size, 4, kvcache))
+        out["slot"] = {"kv": _kv(kvcache)}
+    elif family == "DSA":
+        size = 512
+        kvcache = DSATokenToKVPool(
+            size, 64, LORA, torch.bfloat16, ROPE, 2, "cpu", 128, False, LORA + ROPE
+        )
+        out.update(kvcache=kvcache, allocator=_paged(size, page, kvcache))
+        out["slot"] = {"kv": _kv(kvcache)}
+        out["page_rows"] = {"indexer": list(kvcache.index_k_with_scale_buffer)}
+    elif family == "FULL+SWA":
+        kvcache, allocator = _swa(size, 4, [0, 2], [1, 3])
+        out.update(kvcache=kvcache, allocator=allocator, window=2)
+        out["components"] = (C.FULL, C.SWA)
+        out["slot"] = {"kv": _kv(kvcache.full_kv_pool)}
+        out["swa"] = _kv(kvcache.swa_kv_pool)
+    elif family == "FULL+MAMBA":
+        r2t = mamba_request_pool([1, 3], 512)
+        kvcache = HybridLinearKVPool(
+            size=size,
+            dtype=torch.bfloat16,
+            page_size=page,
+            head_num=1,
+            head_dim=LORA + ROPE,
+            full_attention_layer_ids=[0, 2],
+            device="cpu",
+            enable_memory_saver=False,
+            mamba_pool=r2t.mamba_pool,
+            use_mla=True,
+            kv_lora_rank=LORA,
+            qk_rope_head_dim=ROPE,
+        )
+        out.update(kvcache=kvcache, allocator=_paged(size, page, kvcache), r2t=r2t)
+        out["components"] = (C.FULL, C.MAMBA)
+        out["slot"] = {"kv": _kv(kvcache.full_kv_pool)}
+    elif family == "FULL+SWA+MAMBA":
+        r2t = mamba_request_pool([1], 512)
+        kvcache, allocator = _swa(size, page, [0], [2])
+        out.update(kvcache=kvcache, allocator=allocator, r2t=r2t, window=2)
+        out["components"] = (C.FULL, C.SWA, C.MAMBA)
+        out["slot"] = {"kv": _kv(kvcache.full_kv_pool)}
+        out["swa"] = _kv(kvcache.swa_kv_pool)
+    else:
+        raise ValueError(f"no CPU stack for family {family!r}")
+    out.setdefault("r2t", ReqToTokenPool(8, 512, "cpu", False))
+    return out
+
+
+def build(family: str) -> FamilyStack:
+    """The family's pools, a UnifiedRadixCache over them and the KVCR linker."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    page = PAGES.get(family, 4)
+    server_args = publish_server_args(page, "org/draft" if family == "draft" else None)
+    parts = family_parts(family, page)
+    window = parts.get("window", 0)
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=parts["r2t"],
+        token_to_kv_pool_allocator=parts["allocator"],
+        page_size=page,
+        tree_components=parts["components"],
+        sliding_window_size=window * page or None,
+        tree_core_backend="python",
+        sidecar_draft_device_pools=parts.get("sidecar", ()),
+    )
+    cache = UnifiedRadixCache(params)
+    stack = kvcr_stack.KVCRStack(
+        cache, parts["kvcache"], parts["allocator"], server_args, params, dict(CONFIG)
+    )
+    kvcr_stack.attach(stack, kvcr_stack.create_linker(stack))
+    r2t = parts["r2t"]
+    return FamilyStack(
+        family=family,
+        page=page,
+        server_args=server_args,
+        cache=cache,
+        linker=stack.linker,
+        allocator=parts["allocator"],
+        kvcache=parts["kvcache"],
+        params=params,
+        slot_buffers=parts["slot"],
+        page_buffers=parts.get("page_rows", {}),
+        swa_buffers=parts.get("swa", []),
+        mamba_states=_states(r2t) if hasattr(r2t, "mamba_pool") else [],
+        window_pages=window,
+    )
+
+
+def _randomize(t: torch.Tensor, gen: torch.Generator) -> None:
+    raw = t.view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+
+
+def _rows(buffers: list[torch.Tensor], index: torch.Tensor) -> list[torch.Tensor]:
+    return [b[index].reshape(-1).view(torch.uint8).clone() for b in buffers]
+
+
+def _state_rows(states: list[torch.Tensor], slot: int) -> list[torch.Tensor]:
+    return [s[:, slot].reshape(-1).view(torch.uint8).clone() for s in states]
+
+
+@dataclasses.dataclass
+class RoundTrip:
+    """What was written and what landed, per buffer kind (lists of byte rows)."""
+
+    written: dict[str, list[torch.Tensor]]
+    landed: dict[str, list[torch.Tensor]]
+    host_hit_length: int
+    loaded_tokens: int
+    failed: list[str]
+
+
+def round_trip(
+    stack: FamilyStack,
+    pages: int = 3,
+    seed: int = 0,
+    before_load: Callable[[FamilyStack], None] | None = None,
+) -> RoundTrip:
+    """Insert ``pages`` pages, write through, evict, zero, then restore them for
+    one request through the wrapper (see the module docstring)."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.base_prefix_cache import (
+        EvictParams,
+        InitLoadBackParams,
+        InsertParams,
+        MatchPrefixParams,
+    )
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.server_args import set_global_server_args_for_scheduler
+
+    from sglang.srt.mem_cache.storage.kvcr import integration
+
+    set_global_server_args_for_scheduler(stack.server_args)  # another may have run
+    cache, allocator, page = stack.cache, stack.allocator, stack.page
+    gen = torch.Generator().manual_seed(seed)
+    base = 1000 * (seed + 1)
+    tokens = list(range(base, base + pages * page))
+    n = len(tokens)
+    zero, last, count = torch.tensor([0]), torch.tensor([-1]), torch.tensor([n])
+    if page == 1:
+        slots = allocator.alloc(n)
+    else:
+        slots = allocator.alloc_extend(zero, zero, count, count, last, n)
+    assert slots is not None, "no free slots"
+    page_index = slots[::page] // page
+    every = [b for bufs in stack.slot_buffers.values() for b in bufs]
+    every += [b for bufs in stack.page_buffers.values() for b in bufs]
+    every += stack.swa_buffers + stack.mamba_states
+    for b in every:
+        _randomize(b, gen)
+    written = {name: _rows(bufs, slots) for name, bufs in stack.slot_buffers.items()}
+    for name, bufs in stack.page_buffers.items():
+        written[name] = _rows(bufs, page_index)
+    insert = InsertParams(key=RadixKey(array("q", tokens)), value=slots)
+    tail = slice(n - stack.window_pages * page, n)
+    if stack.swa_buffers:
+        swa_slots = allocator.translate_loc_from_full_to_swa(slots)
+        written["swa"] = _rows(stack.swa_buffers, swa_slots[tail])
+    if stack.mamba_states:
+        r2t = stack.params.req_to_token_pool
+        state = r2t.mamba_allocator.alloc(1)
+        written["mamba"] = _state_rows(stack.mamba_states, int(state[0]))
+        insert.mamba_value = state
+    cache.insert(insert)
+
+    def committed() -> bool:
+        cache.check_hicache_events()
+        return not cache.linker.pending_offloads
+
+    wait_until(committed, what=f"{stack.family} offloads committed")
+    cache.evict(EvictParams(num_tokens=n, swa_num_tokens=n, mamba_num=1))
+    probe = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+    assert probe.device_prefix_len == 0, "the sequence is still on the device"
+    for b in every:
+        b.zero_()
+    if before_load is not None:
+        before_load(stack)
+
+    req = Req(
+        f"{stack.family}-{seed}",
+        "",
+        array("q", [*tokens, 1, 2]),
+        SamplingParams(max_new_tokens=1),
+    )
+    handle = integration.wrapper_prepare_request(cache.linker, req)
+    ready = cache.linker.cache_linker.preparation_ready
+    wait_until(lambda: ready(handle), what=f"{stack.family} tail prepared")
+    req.init_next_round_input(cache)
+    hit = int(req.host_hit_length)
+    loaded, failed = 0, []
+    landed: dict[str, list[torch.Tensor]] = {}
+    if hit:
+        result = cache.init_load_back(
+            InitLoadBackParams(
+                best_match_node=req.best_match_node,
+                host_hit_length=req.host_hit_length,
+                req=req,
+            )
+        )
+        loaded = int(result[0])
+        private = cache.linker.private_load_indices[req.rid].clone()
+        assert cache.ready_to_load_host_cache() >= 0
+        failed = cache.finish_external_linker_loads([req])
+        landed = {n_: _rows(b, private) for n_, b in stack.slot_buffers.items()}
+        for name, bufs in stack.page_buffers.items():
+            landed[name] = _rows(bufs, private[::page] // page)
+        if stack.swa_buffers:
+            window = allocator.translate_loc_from_full_to_swa(private[tail])
+            landed["swa"] = _rows(stack.swa_buffers, window)
+        if stack.mamba_states:
+            landed["mamba"] = _state_rows(
+                stack.mamba_states, int(req.kv.mamba_pool_idx)
+            )
+    stack.linker.finish_request(req.rid)
+    return RoundTrip(written, landed, hit, loaded, failed)

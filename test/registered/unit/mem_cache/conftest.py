@@ -1,0 +1,32 @@
+"""Fixtures the linker unit tests share: a small real CPU KV pool and a bare KVCR
+linker over it (``cpu_harness.kvcr_pages``), closed after each test.
+
+A module changes what it gets by overriding ``pool`` (another pool) or
+``linker_options`` (``kvcr_pages.make_linker`` keyword arguments: components,
+model, linker config fields); the linker itself is always built and closed here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cpu_harness import kvcr_pages
+
+
+@pytest.fixture
+def pool() -> Any:
+    return kvcr_pages.make_pool()
+
+
+@pytest.fixture
+def linker_options() -> dict[str, Any]:
+    return {}
+
+
+@pytest.fixture
+def linker(pool: Any, linker_options: dict[str, Any]) -> Any:
+    lk = kvcr_pages.make_linker(pool, **linker_options)
+    yield lk
+    lk.close()
