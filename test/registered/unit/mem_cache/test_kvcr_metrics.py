@@ -179,10 +179,10 @@ def test_without_enable_metrics_nothing_is_imported_or_registered():
         lk = make_linker(pool)
         fill_random(pool, [1], seed=1)
         assert offload_and_commit(lk, hashes_for(1, "off"), [1], "cpu") is True
-        lk._log_stats(force=True)
+        lk.report.tick(force=True)
         lk.close()
         from sglang.srt.mem_cache.storage.kvcr import linker_metrics
-        print("METRICS", type(lk.metrics).__name__, lk.stats.samples.kept)
+        print("METRICS", type(lk.report.metrics).__name__, lk.stats.samples.kept)
         print("IMPORTED", "prometheus_client" in sys.modules)
         import prometheus_client
         names = [m.name for m in prometheus_client.REGISTRY.collect()]

@@ -16,7 +16,6 @@ never a hit and a failed transfer is a miss, never wrong KV.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from sglang.srt.mem_cache.hicache_storage import PoolTransfer
@@ -41,6 +40,7 @@ from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
     LinkerRequestContext,
     PreparationHandle,
     PreparationHooks,
+    VerdictsPerRequest,
 )
 from sglang.srt.mem_cache.storage.kvcr.linker_setup import kvcache_layout_identity
 from sglang.srt.mem_cache.storage.kvcr.linker_stats import LinkerStats
@@ -59,10 +59,8 @@ __all__ = ["KVCRDirectLinker", "kvcache_layout_identity"]
 
 logger = logging.getLogger(__name__)
 
-_STATS_LOG_PERIOD_S = 30.0
 
-
-class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
+class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker):
     """Direct external linker over a real KVCR (see the module docstring)."""
 
     prepares_requests = True
@@ -104,8 +102,11 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         )
         self.dram = res.dram
         self.stats = LinkerStats()
-        self.metrics = linker_metrics.build(
-            server_args, self.page_size, self.stats.samples, self.stats_snapshot
+        self.report = linker_stats.StatsReport(
+            self.stats_snapshot,
+            linker_metrics.build(
+                server_args, self.page_size, self.stats.samples, self.stats_snapshot
+            ),
         )
         self.hints = RouterHintParser(
             EndpointAllowlist.from_config(cfg), rank_offset=self.placement.shard_rank
@@ -121,7 +122,6 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
             stats=self.stats,
             timeout_s=cfg.operation_timeout_ms / 1000.0,
         )
-        self._last_stats_log = time.monotonic()
         try:
             self.session = KVCRSession(
                 cfg,
@@ -214,7 +214,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         stopped = self.restorer.close(timeout) and stopped
         stopped = self.offloader.close(timeout) and stopped
         self._release_all(claims)
-        self._log_stats(force=True)
+        self.report.tick(force=True)
         staging = self.offloader.staging
         extra = list(staging.buffers.values()) if staging is not None else []
         quiet = self._adapter.close() and stopped
@@ -253,7 +253,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
                 self.session.submit(
                     self.preparations.on_fetch_done(item, self.residency.parse_key)
                 )
-        self._log_stats()
+        self.report.tick()
 
     # ---- preparation -------------------------------------------------------------
 
@@ -348,10 +348,6 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         self.replicas.send(self.layer_done_counter, index, wait_s)
         return index
 
-    def finish_layer_wise_loading(self, counter_index: int) -> bool:
-        """The base contract: True only when every load of the batch landed."""
-        return all(self.finish_layer_wise_loading_by_request(counter_index).values())
-
     def finish_layer_wise_loading_by_request(
         self, counter_index: int
     ) -> dict[str, bool]:
@@ -391,14 +387,7 @@ class KVCRDirectLinker(PreparationHooks, UnifiedCacheLinker):
         return {**linker_stats.snapshot_of(self), **self.replicas.stats_snapshot()}
 
     def stats_line(self) -> str:
-        return linker_stats.stats_line(self.stats_snapshot())
-
-    def _log_stats(self, force: bool = False) -> None:
-        now = time.monotonic()
-        self.metrics.tick(now, force)  # Prometheus, from the same snapshot
-        if force or now - self._last_stats_log >= _STATS_LOG_PERIOD_S:
-            self._last_stats_log = now
-            logger.info("%s", self.stats_line())
+        return self.report.line()
 
     def quarantined_bytes(self) -> int:
         return self.dram.quarantine.bytes()

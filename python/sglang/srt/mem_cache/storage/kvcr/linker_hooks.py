@@ -79,6 +79,20 @@ class PreparationHooks:
         """The served weights are being replaced (a disk update names its path)."""
 
 
+class VerdictsPerRequest:
+    """``finish_layer_wise_loading`` from ``finish_layer_wise_loading_by_request``
+    (the per-request verdicts the integration's ``finish_loads`` hook reads)."""
+
+    def finish_layer_wise_loading_by_request(
+        self, counter_index: int
+    ) -> dict[str, bool]:
+        raise NotImplementedError
+
+    def finish_layer_wise_loading(self, counter_index: int) -> bool:
+        """The base contract: True only when every load of the batch landed."""
+        return all(self.finish_layer_wise_loading_by_request(counter_index).values())
+
+
 HOOK_NAMES = (
     "prepares_requests",
     "publishes_external_events",

@@ -17,7 +17,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import logging
+import time
+from collections.abc import Callable
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 SAMPLES_KEPT = 4096  # per kind, between two drains (the oldest are dropped)
 
@@ -207,3 +212,32 @@ def snapshot_of(linker: Any) -> dict[str, Any]:
     )
     adapter = linker.session.stats()  # counters summed over flushes
     return snapshot(linker.stats, gauges, adapter, linker.hints.stats.as_dict())
+
+
+class StatsReport:
+    """Where one linker's snapshot goes: the ``KVCR_STATS`` log line every
+    ``period_s`` (or when forced) and its Prometheus series (linker_metrics),
+    which publish on their own cadence from the same snapshot."""
+
+    __slots__ = ("_last", "_period_s", "_snapshot", "metrics")
+
+    def __init__(
+        self,
+        snapshot: Callable[[], dict[str, Any]],
+        metrics: Any,
+        period_s: float = 30.0,
+    ) -> None:
+        self._snapshot = snapshot
+        self.metrics = metrics  # linker_metrics.LinkerMetrics or NO_METRICS
+        self._period_s = period_s
+        self._last = time.monotonic()
+
+    def line(self) -> str:
+        return stats_line(self._snapshot())
+
+    def tick(self, force: bool = False) -> None:
+        now = time.monotonic()
+        self.metrics.tick(now, force)
+        if force or now - self._last >= self._period_s:
+            self._last = now
+            logger.info("%s", self.line())

@@ -31,6 +31,7 @@ from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
     LinkerRequestContext,
     PreparationHandle,
     PreparationHooks,
+    VerdictsPerRequest,
 )
 from sglang.srt.mem_cache.storage.kvcr.replica_broadcast import (
     ReplicaBroadcast,
@@ -88,7 +89,7 @@ def build_linker(
     return ReplicaFollower(rank, broadcast, config, forward_stream)
 
 
-class ReplicaFollower(PreparationHooks, UnifiedCacheLinker):
+class ReplicaFollower(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker):
     """A rank whose pages its group's owner stores (see the module docstring)."""
 
     prepares_requests = True
@@ -153,9 +154,6 @@ class ReplicaFollower(PreparationHooks, UnifiedCacheLinker):
         if index >= 0:
             self._batches[index] = rids
         return index
-
-    def finish_layer_wise_loading(self, counter_index: int) -> bool:
-        return all(self.finish_layer_wise_loading_by_request(counter_index).values())
 
     def finish_layer_wise_loading_by_request(
         self, counter_index: int
