@@ -19,17 +19,12 @@ returned.
 
 from __future__ import annotations
 
-import datetime
-import multiprocessing
-import os
-import queue as queue_module
-import socket
-import sys
 import time
-import traceback
 from typing import Any
 
 import pytest
+
+from cpu_harness import gloo_ranks
 
 pytestmark = pytest.mark.kvcr
 
@@ -43,17 +38,10 @@ POOL_TOKENS = 64 * PAGE
 PAGE_DEPOSIT_BYTES = LAYERS * 2 * PAGE * HEADS * DIM * 2
 JOB_TIMEOUT_S = 120.0
 GLOO_TIMEOUT_S = 60
-EXIT_TIMEOUT_S = 20.0
 MAX_EVENT_ROUNDS = 4000  # a round bound, not a time bound: identical on both ranks
 FIRST_PAGES = 4
 REFUSING_RANK = 1
 NOT_READY_RID = "r1"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _linker_config(rank: int) -> dict[str, Any]:
@@ -76,24 +64,6 @@ def _linker_config(rank: int) -> dict[str, Any]:
 # ---- child process -----------------------------------------------------------------
 
 
-def _rank_main(rank: int, port: int, results: Any) -> None:
-    """Entry point of one spawned rank; reports (rank, status, payload)."""
-    try:
-        report = (rank, "ok", _run_rank(rank, port))
-        code = 0
-    except BaseException:
-        report = (rank, "error", traceback.format_exc())
-        code = 1
-    results.put(report)
-    results.close()
-    results.join_thread()  # the report is in the pipe
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # The linker and the process group are closed; skip the interpreter's native
-    # teardown (torch, gloo, UCX), which takes seconds on a loaded CPU machine.
-    os._exit(code)
-
-
 def _run_rank(rank: int, port: int) -> dict[str, Any]:
     started = time.monotonic()
     timings: dict[str, float] = {}
@@ -106,13 +76,7 @@ def _run_rank(rank: int, port: int) -> dict[str, Any]:
 
     load_plugins()
     mark("imported")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S),
-    )
+    gloo_ranks.init_gloo(rank, port, WORLD, GLOO_TIMEOUT_S)
     cache = None
     try:
         group = dist.group.WORLD
@@ -381,75 +345,9 @@ def _offload_scenario(
 # ---- parent ------------------------------------------------------------------------
 
 
-def _run_job() -> dict[int, dict[str, Any]]:
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(rank, port, results),
-            name=f"kvcr-rank{rank}",
-            daemon=True,
-        )
-        for rank in range(WORLD)
-    ]
-    for proc in procs:
-        proc.start()
-    reports: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    try:
-        while len(reports) < WORLD and time.monotonic() < deadline:
-            try:
-                rank, status, payload = results.get(timeout=1.0)
-            except queue_module.Empty:
-                dead = [
-                    i
-                    for i, p in enumerate(procs)
-                    if i not in reports and not p.is_alive() and p.exitcode != 0
-                ]
-                if dead:
-                    try:  # a report may still be in flight from a dead rank
-                        rank, status, payload = results.get(timeout=2.0)
-                    except queue_module.Empty:
-                        for i in dead:
-                            reports[i] = (
-                                "error",
-                                f"rank {i} exited with code {procs[i].exitcode} "
-                                "without a report",
-                            )
-                        break
-                else:
-                    continue
-            reports[rank] = (status, payload)
-            if status == "error":
-                break  # the other rank may be stuck in a collective
-        clean = len(reports) == WORLD and all(s == "ok" for s, _ in reports.values())
-        for proc in procs:
-            # A failed rank's peer may sit in a collective until the gloo timeout.
-            proc.join(timeout=EXIT_TIMEOUT_S if clean else 2.0)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=10)
-    errors = [f"rank {r}:\n{p}" for r, (s, p) in sorted(reports.items()) if s != "ok"]
-    if errors:
-        pytest.fail("\n".join(errors), pytrace=False)
-    if len(reports) < WORLD:
-        missing = sorted(set(range(WORLD)) - set(reports))
-        pytest.fail(
-            f"ranks {missing} reported nothing within {JOB_TIMEOUT_S:.0f} s",
-            pytrace=False,
-        )
-    for rank, proc in enumerate(procs):
-        assert proc.exitcode == 0, f"rank {rank} exit code {proc.exitcode}"
-    return {rank: payload for rank, (_, payload) in reports.items()}
-
-
 @pytest.fixture(scope="module")
 def ranks() -> dict[int, dict[str, Any]]:
-    return _run_job()
+    return gloo_ranks.run_ranks(_run_rank, WORLD, timeout_s=JOB_TIMEOUT_S)
 
 
 # ---- tests -------------------------------------------------------------------------

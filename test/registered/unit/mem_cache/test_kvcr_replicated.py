@@ -19,17 +19,12 @@ returned.
 
 from __future__ import annotations
 
-import datetime
-import multiprocessing
-import os
-import queue as queue_module
-import socket
-import sys
 import time
-import traceback
 from typing import Any
 
 import pytest
+
+from cpu_harness import gloo_ranks
 
 pytestmark = pytest.mark.kvcr
 
@@ -50,36 +45,11 @@ CONFIG = {
 }
 JOB_TIMEOUT_S = 150.0
 GLOO_TIMEOUT_S = 60
-EXIT_TIMEOUT_S = 20.0
 MAX_ROUNDS = 4000  # a round bound, not a time bound: identical on both ranks
 OWNER, FOLLOWER = 0, 1
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # ---- child process -----------------------------------------------------------------
-
-
-def _rank_main(
-    rank: int, port: int, results: Any, body: str, args: tuple[Any, ...]
-) -> None:
-    """Entry point of one spawned rank; reports (rank, status, payload)."""
-    try:
-        report = (rank, "ok", globals()[body](rank, port, *args))
-        code = 0
-    except BaseException:
-        report = (rank, "error", traceback.format_exc())
-        code = 1
-    results.put(report)
-    results.close()
-    results.join_thread()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip torch/gloo/UCX native teardown (seconds on a busy host)
 
 
 def _run_rank(rank: int, port: int) -> dict[str, Any]:
@@ -87,13 +57,7 @@ def _run_rank(rank: int, port: int) -> dict[str, Any]:
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S),
-    )
+    gloo_ranks.init_gloo(rank, port, WORLD, GLOO_TIMEOUT_S)
     stack = None
     try:
         stack = _build(dist.group.WORLD)
@@ -360,68 +324,11 @@ def _peer_restore(stack: dict[str, Any], first: dict[str, Any]) -> dict[str, Any
 # ---- parent ------------------------------------------------------------------------
 
 
-def _run_job(body: str = "_run_rank", *args: Any) -> dict[int, dict[str, Any]]:
-    """Run ``body(rank, port, *args)`` (of this module) in WORLD spawned ranks."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(rank, port, results, body, args),
-            name=f"kvcr-replica{rank}",
-            daemon=True,
-        )
-        for rank in range(WORLD)
-    ]
-    for proc in procs:
-        proc.start()
-    reports: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    try:
-        while len(reports) < WORLD and time.monotonic() < deadline:
-            try:
-                rank, status, payload = results.get(timeout=1.0)
-            except queue_module.Empty:
-                dead = [
-                    i
-                    for i, p in enumerate(procs)
-                    if i not in reports and not p.is_alive() and p.exitcode != 0
-                ]
-                if not dead:
-                    continue
-                try:  # a report may still be in flight from a dead rank
-                    rank, status, payload = results.get(timeout=2.0)
-                except queue_module.Empty:
-                    for i in dead:
-                        reports[i] = ("error", f"rank {i} exited without a report")
-                    break
-            reports[rank] = (status, payload)
-            if status == "error":
-                break  # the other rank may be stuck in a collective
-        clean = len(reports) == WORLD and all(s == "ok" for s, _ in reports.values())
-        for proc in procs:
-            proc.join(timeout=EXIT_TIMEOUT_S if clean else 2.0)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=10)
-    errors = [f"rank {r}:\n{p}" for r, (s, p) in sorted(reports.items()) if s != "ok"]
-    if errors:
-        pytest.fail("\n".join(errors), pytrace=False)
-    if len(reports) < WORLD:
-        missing = sorted(set(range(WORLD)) - set(reports))
-        pytest.fail(
-            f"ranks {missing} reported nothing within {JOB_TIMEOUT_S:.0f} s",
-            pytrace=False,
-        )
-    return {rank: payload for rank, (_, payload) in reports.items()}
-
-
 @pytest.fixture(scope="module")
 def ranks() -> dict[int, dict[str, Any]]:
-    return _run_job()
+    return gloo_ranks.run_ranks(
+        _run_rank, WORLD, timeout_s=JOB_TIMEOUT_S, name="kvcr-replica"
+    )
 
 
 # ---- tests -------------------------------------------------------------------------
@@ -675,13 +582,7 @@ def _broadcast_rank(rank: int, port: int, device: str) -> dict[str, Any]:
         dest_rows_of,
     )
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S),
-    )
+    gloo_ranks.init_gloo(rank, port, WORLD, GLOO_TIMEOUT_S)
     cuda = device == "cuda"
     try:
         if cuda:
@@ -748,7 +649,9 @@ def _broadcast_rank(rank: int, port: int, device: str) -> dict[str, Any]:
 def test_the_broadcast_moves_the_owners_rows_into_the_followers_pages(device):
     """Each layer's rows at the owner's pages land byte-exact at the follower's
     (different) pages; CUDA pages are queued without a host sync."""
-    out = _run_job("_broadcast_rank", device)
+    out = gloo_ranks.run_ranks(
+        _broadcast_rank, WORLD, device, timeout_s=JOB_TIMEOUT_S, name="kvcr-replica"
+    )
     for rank in (OWNER, FOLLOWER):
         assert out[rank]["queued"] and out[rank]["queued_on"] == device
         assert out[rank]["landed"] is True
