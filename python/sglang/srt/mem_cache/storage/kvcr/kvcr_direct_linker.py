@@ -123,18 +123,9 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
             timeout_s=cfg.operation_timeout_ms / 1000.0,
         )
         try:
-            self.session = KVCRSession(
-                cfg,
-                self.dram,
-                linker_setup.factory_args(
-                    self.layout, cfg, self.placement.control_port(cfg.control_port), res
-                ),
-                self.placement.label(),
-            )
+            self.session = KVCRSession.for_rank(cfg, self.placement, self.layout, res)
         except BaseException:
-            if res.staging is not None:
-                res.staging.close(cfg.owner_wait_timeout_s)
-            self.dram.memory.release_all()
+            res.release(cfg.owner_wait_timeout_s)  # nothing has used them yet
             raise
         self.restorer = Restorer(
             layout=self.layout,
@@ -146,14 +137,7 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
             span_restore=res.span,
             name=f"kvcr-loader-{self.placement.label()}",
         )
-        logger.info(
-            "KVCR direct linker up: agent=%s endpoint=%s (%s) digest=%s pools=%s",
-            self.session.agent,
-            self.endpoint,
-            self.placement.describe(),
-            self.layout.compatibility_digest,
-            [p.name for p in self.layout.pools],
-        )
+        self.session.log_up(self.placement, self.layout)
 
     # ---- lifecycle ---------------------------------------------------------------
 
@@ -170,9 +154,7 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
         """Flush: drop every claim and preparation and rebuild an empty KVCR."""
         timeout = self.config.owner_wait_timeout_s
         loads_quiet, claims = self.restorer.quiesce(timeout)
-        self.offloader.queue.clear_deferred()  # the wrapper fails its offloads
-        staging = self.offloader.staging
-        staging_quiet = staging is None or staging.wait_idle(timeout)
+        staging_quiet = self.offloader.quiesce(timeout)
         self._release_all(claims)
         self.offloader.reset(staging_quiet)
         self.preparations.reset()
@@ -186,11 +168,6 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
         self.residency.reset(self.layout)
         self.session.flush(self.layout, loads_quiet, identity is not None, timeout)
         self.restorer.storage = self.dram.storage
-        logger.info(
-            "KVCR linker reset: residency cleared, endpoint=%s digest=%s",
-            self.endpoint,
-            self.layout.compatibility_digest,
-        )
 
     def weights_changing(
         self, source: str, model_path: str | None = None, load_format: str | None = None
@@ -215,12 +192,10 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
         stopped = self.offloader.close(timeout) and stopped
         self._release_all(claims)
         self.report.tick(force=True)
-        staging = self.offloader.staging
-        extra = list(staging.buffers.values()) if staging is not None else []
         quiet = self._adapter.close() and stopped
         if quiet:
             self.restorer.close_span()
-        self.dram.close(quiet, extra)
+        self.dram.close(quiet, self.offloader.staging_buffers())
 
     def is_quiescent(self) -> bool:
         """Nothing in flight: no claims held, no restore batch, no offload."""

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import socket
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from sglang.srt.mem_cache.storage.kvcr import linker_setup
 from sglang.srt.mem_cache.storage.kvcr.config import KVCRLinkerConfig
 from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import KVCRAdapter
 from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import (
@@ -33,6 +35,8 @@ from sglang.srt.mem_cache.storage.kvcr.kvcr_factory import make_kvcr_factory
 from sglang.srt.mem_cache.storage.kvcr.kvcr_layout import KeyAdapter, PageLayout
 from sglang.srt.mem_cache.storage.kvcr.quarantine import KVCRDram
 from sglang.srt.mem_cache.storage.kvcr.router_hint import own_endpoints
+
+logger = logging.getLogger(__name__)
 
 _INCARNATIONS = itertools.count(1)
 # AdapterStats fields that only grow: summed over incarnations (the rest are the
@@ -83,6 +87,26 @@ class KVCRSession:
         self._retired = AdapterStats()  # counts of the incarnations flushed
         self.adapter = self._start()
 
+    @classmethod
+    def for_rank(
+        cls, config: KVCRLinkerConfig, placement: Any, layout: PageLayout, res: Any
+    ) -> KVCRSession:
+        """The first incarnation of ``placement``'s KVCR over ``res``'s DRAM
+        (linker_setup.RankResources)."""
+        port = placement.control_port(config.control_port)
+        args = linker_setup.factory_args(layout, config, port, res)
+        return cls(config, res.dram, args, placement.label())
+
+    def log_up(self, placement: Any, layout: PageLayout) -> None:
+        logger.info(
+            "KVCR direct linker up: agent=%s endpoint=%s (%s) digest=%s pools=%s",
+            self.agent,
+            self.endpoint,
+            placement.describe(),
+            layout.compatibility_digest,
+            [p.name for p in layout.pools],
+        )
+
     def _start(self) -> KVCRAdapter:
         # A fresh NIXL agent name per incarnation: peers and this process may
         # still remember the previous one after a flush.
@@ -111,6 +135,11 @@ class KVCRSession:
         if rekey:
             self._factory_args["key_adapter"] = KeyAdapter(layout)
         self.adapter = self._start()
+        logger.info(
+            "KVCR linker reset: residency cleared, endpoint=%s digest=%s",
+            self.endpoint,
+            layout.compatibility_digest,
+        )
 
     def stats(self) -> AdapterStats:
         """The running adapter's stats with every counter summed over this rank's

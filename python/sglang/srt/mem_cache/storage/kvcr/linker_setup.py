@@ -121,6 +121,12 @@ class RankResources:
     staging: Any  # offload_staging.HostStaging on the staged path, else None
     dest_rows: dict[str, list[torch.Tensor]]  # per pool, each part's page rows
 
+    def release(self, timeout_s: float) -> None:
+        """Give back what nothing has used yet (a start-up that failed after)."""
+        if self.staging is not None:
+            self.staging.close(timeout_s)
+        self.dram.memory.release_all()
+
 
 def build_resources(
     layout: Any, cfg: Any, ranks_on_node: int, device: Any, page_size: int

@@ -205,6 +205,16 @@ class Offloader:
         else:
             self.stats.offload_failures += 1
 
+    def quiesce(self, timeout_s: float) -> bool:
+        """Drop deferred offloads (the wrapper fails them at the flush) and wait
+        for the stager; whether no staging copy is still running."""
+        self.queue.clear_deferred()
+        return self.staging is None or self.staging.wait_idle(timeout_s)
+
+    def staging_buffers(self) -> list[Any]:
+        """The staging area's host buffers (to keep locked when not quiet)."""
+        return [] if self.staging is None else list(self.staging.buffers.values())
+
     def reset(self, staging_quiet: bool) -> None:
         """Forget every offload (a flush); staging slots come back only when no
         copy can still write them."""
