@@ -130,6 +130,7 @@ def test_a_config_only_the_scheduler_can_refuse_is_one_error_line(launches):
     assert "Scheduler failed to start: KVCRConfigError: " in failed[0]
     assert "local_dram_bytes_per_worker=1 leaves 1 bytes" in failed[0]
     assert "set it to at least" in failed[0]
+    assert "--unified-cache-external-linker-config" in failed[0]  # the flag
     assert "Traceback" not in log, log[-4000:]
     assert "Scheduler hit an exception" not in log
     assert "Uvicorn running" not in log

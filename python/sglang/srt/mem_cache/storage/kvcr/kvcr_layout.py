@@ -439,7 +439,8 @@ def plan_capacity(
         raise KVCRConfigError(
             f"local_dram_bytes_per_worker={local_dram_bytes_per_worker} leaves "
             f"{budget} bytes per local rank ({local_ranks} ranks), less than one "
-            f"{per_page}-byte page; set it to at least {per_page * local_ranks}"
+            f"{per_page}-byte page; set it to at least {per_page * local_ranks} "
+            "in --unified-cache-external-linker-config"
         )
     slots = [(p, pages * len(p.spans)) for p in layout.pools]
     pools = tuple(
