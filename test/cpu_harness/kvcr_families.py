@@ -124,30 +124,8 @@ def _paged(size: int, page: int, kvcache: Any) -> Any:
 
 
 def _swa(size: int, page: int, full: list[int], window: list[int]) -> tuple[Any, Any]:
-    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
-    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
-
-    kvcache = SWAKVPool(
-        size=size,
-        size_swa=size,
-        page_size=page,
-        dtype=torch.bfloat16,
-        head_num=HEADS,
-        head_dim=DIM,
-        swa_attention_layer_ids=window,
-        full_attention_layer_ids=full,
-        device="cpu",
-    )
-    allocator = SWATokenToKVPoolAllocator(
-        size=size,
-        size_swa=size,
-        page_size=page,
-        dtype=torch.bfloat16,
-        device="cpu",
-        kvcache=kvcache,
-        need_sort=False,
-    )
-    return kvcache, allocator
+    kvcache = kvcr_stack.swa_kv_pool(size, page, HEADS, DIM, full, window)
+    return kvcache, kvcr_stack.swa_allocator(kvcache, size, page)
 
 
 def _kv(pool: Any) -> list[torch.Tensor]:
