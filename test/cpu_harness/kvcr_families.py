@@ -48,12 +48,15 @@ class FamilyStack:
     swa_buffers: list[torch.Tensor]
     mamba_states: list[torch.Tensor]  # (layers, slots, ...) per state kind
     window_pages: int = 0
+    # buffers with one row per SWA page (DeepSeek V4: SWA rows, compress states)
+    swa_page_buffers: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
-def publish_server_args(page: int, draft: str | None = None) -> Any:
+def publish_server_args(page: int, draft: str | None = None, **extra: Any) -> Any:
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
     args = ServerArgs(
+        **extra,
         model_path="dummy",  # no HF config is read
         load_format="dummy",
         page_size=page,
@@ -139,10 +142,106 @@ def _states(r2t: Any) -> list[torch.Tensor]:
     return [s for s in (cache.temporal, *cache.conv) if s.numel()]
 
 
-PAGES = {"DSA": 64, "FULL+MAMBA": 1, "FULL+SWA+MAMBA": 1}  # the rest: 4
+PAGES = {"DSA": 64, "FULL+MAMBA": 1, "FULL+SWA+MAMBA": 1, "DeepSeek V4": 256}
 
 
-def family_parts(family: str, page: int) -> dict[str, Any]:
+# DeepSeek V4 pool variants that build on CPU: the main-cache layout, the
+# per-layer compress ratios (0: SWA only) and the layers whose KV the ratio-1/2
+# layers share (``kv_source_layers``).
+DSV4_VARIANTS: dict[str, dict[str, Any]] = {
+    "v4": {"ratios": (0, 4, 128, 4)},
+    "v41": {"ratios": (0, 4, 128, 4), "kv_layout": "v41"},
+    "v41_new": {"ratios": (0, 4, 128, 4), "kv_layout": "v41_new"},
+    "v4_ratio12": {"ratios": (1, 2, 4, 128), "kv_source_layers": (0, 1)},
+    "v41_ratio12": {
+        "ratios": (1, 2, 4, 128),
+        "kv_source_layers": (0, 1),
+        "kv_layout": "v41",
+    },
+    # --dsv4-attn-backend trtllm: uniform 512-byte FP8 rows
+    "v4_trtllm": {"ratios": (0, 4, 128, 4), "server_args": {"dsv4_attn_backend": "trtllm"}},
+    # an MTP (NextN) draft layer, its SWA packed into the target's SWA entry
+    "v4_mtp": {"ratios": (0, 4, 128, 4), "mtp_layers": 1},
+}
+
+
+def dsv4_pool(
+    full: int, swa: int, page: int = 256, variant: str = "v4", draft: bool = False
+) -> Any:
+    """A DeepSeek V4 pool with the real per-token geometry (448 FP8 nope + 64 BF16
+    rope, indexer 128): paged SWA, a KV (+ indexer) pool per compress ratio, and
+    the C4 compress states, sized the way SGLang's configurator sizes them."""
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import (
+        DeepSeekV4TokenToKVPool,
+        KVLayout,
+        get_compress_state_ring_size,
+    )
+
+    spec = DSV4_VARIANTS[variant]
+    ratios = [0] * spec["mtp_layers"] if draft else list(spec["ratios"])
+    return DeepSeekV4TokenToKVPool(
+        max_num_reqs=4,
+        swa_size=swa,
+        c4_size=full // 4,
+        c128_size=full // 128,
+        c4_state_pool_size=swa // page * get_compress_state_ring_size(4),
+        c128_state_pool_size=0,
+        page_size=page,
+        swa_page_size=page,
+        dtype=torch.float8_e4m3fn,
+        c4_state_dtype=torch.float32,
+        c128_state_dtype=torch.float32,
+        qk_nope_head_dim=448,
+        qk_rope_head_dim=64,
+        indexer_head_dim=128,
+        layer_num=len(ratios),
+        device="cpu",
+        enable_memory_saver=False,
+        compression_ratios=ratios,
+        sliding_window=128,
+        start_layer=0,
+        end_layer=len(ratios),
+        full_size=full,
+        kv_source_layers=[] if draft else list(spec.get("kv_source_layers", ())),
+        kv_layout=KVLayout.parse(spec.get("kv_layout", "v4")),
+        is_draft_worker=draft,
+    )
+
+
+def dsv4_page_rows(pool: Any, page: int) -> dict[str, list[torch.Tensor]]:
+    """Every compressed KV and indexer buffer of ``pool`` as one byte row per
+    full page (``page`` tokens): ``c<ratio>`` and ``c<ratio>_indexer``."""
+    out: dict[str, list[torch.Tensor]] = {}
+    for ratio, kv in pool.kv_pools.items():
+        if kv is not None:
+            out[f"c{ratio}"] = list(kv.kv_buffer)
+    for ratio, index in pool.index_pools.items():
+        per_page = max(1, page // ratio // int(index.page_size))
+        rows = []
+        for buf in index.contiguous_page_row_buffers():
+            pages = buf.shape[0] // per_page
+            raw = buf[: pages * per_page].view(torch.uint8)
+            rows.append(raw.reshape(pages, -1))
+        out[f"c{ratio}_indexer"] = rows
+    return out
+
+
+def dsv4_ring_rows(pool: Any) -> list[torch.Tensor]:
+    """Every SWA-page-addressed compress state as one byte row per SWA page (a
+    page's ring of ``ring_size`` state rows); request-scoped C128 state is not
+    part of a prefix."""
+    rows = []
+    for p in (*pool.compress_state_pools, *pool.indexer_compress_state_pools):
+        if p is None or p.request_scoped:
+            continue
+        state, ring = p.kv_score_buffer.kv_score, int(p.ring_size)
+        usable = state.shape[0] // ring * ring
+        raw = state.view(torch.uint8).reshape(state.shape[0], -1)[:usable]
+        rows.append(raw.reshape(usable // ring, -1))
+    return rows
+
+
+def family_parts(family: str, page: int, variant: str = "v4") -> dict[str, Any]:
     """Pools, allocator and what to compare, per family (page 4; DSA needs 64;
     Mamba without its extra tracking buffer needs 1)."""
     from sglang.srt.mem_cache.memory_pool import (
@@ -206,30 +305,50 @@ def family_parts(family: str, page: int) -> dict[str, Any]:
         out["components"] = (C.FULL, C.SWA, C.MAMBA)
         out["slot"] = {"kv": _kv(kvcache.full_kv_pool)}
         out["swa"] = _kv(kvcache.swa_kv_pool)
+    elif family == "DeepSeek V4":
+        full, swa = 8 * page, 4 * page
+        kvcache = dsv4_pool(full, swa, page, variant)
+        allocator = kvcr_stack.swa_allocator(kvcache, full, page, swa)
+        out.update(kvcache=kvcache, allocator=allocator, window_tokens=128)
+        out["components"] = (C.FULL, C.SWA)
+        out["slot"] = {}
+        out["page_rows"] = dsv4_page_rows(kvcache, page)
+        out["swa_pages"] = [*kvcache.swa_kv_pool.kv_buffer, *dsv4_ring_rows(kvcache)]
+        if DSV4_VARIANTS[variant].get("mtp_layers"):
+            draft = dsv4_pool(full, swa, page, variant, draft=True)
+            draft.register_mapping(allocator.full_to_swa_index_mapping)
+            out["mtp"] = (draft,)
+            out["swa_pages"] += list(draft.swa_kv_pool.kv_buffer)
     else:
         raise ValueError(f"no CPU stack for family {family!r}")
     out.setdefault("r2t", ReqToTokenPool(8, 512, "cpu", False))
     return out
 
 
-def build(family: str) -> FamilyStack:
-    """The family's pools, a UnifiedRadixCache over them and the KVCR linker."""
+def build(family: str, variant: str = "v4") -> FamilyStack:
+    """The family's pools, a UnifiedRadixCache over them and the KVCR linker
+    (``variant``: a :data:`DSV4_VARIANTS` key for DeepSeek V4)."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     page = PAGES.get(family, 4)
-    server_args = publish_server_args(page, "org/draft" if family == "draft" else None)
-    parts = family_parts(family, page)
+    extra = DSV4_VARIANTS[variant].get("server_args", {}) if family == "DeepSeek V4" else {}
+    server_args = publish_server_args(
+        page, "org/draft" if family == "draft" else None, **extra
+    )
+    parts = family_parts(family, page, variant)
     window = parts.get("window", 0)
+    window_tokens = parts.get("window_tokens", window * page)
     params = CacheInitParams(
         disable=False,
         req_to_token_pool=parts["r2t"],
         token_to_kv_pool_allocator=parts["allocator"],
         page_size=page,
         tree_components=parts["components"],
-        sliding_window_size=window * page or None,
+        sliding_window_size=window_tokens or None,
         tree_core_backend="python",
         sidecar_draft_device_pools=parts.get("sidecar", ()),
+        mtp_draft_device_pools=parts.get("mtp", ()),
     )
     cache = UnifiedRadixCache(params)
     stack = kvcr_stack.KVCRStack(
@@ -250,7 +369,8 @@ def build(family: str) -> FamilyStack:
         page_buffers=parts.get("page_rows", {}),
         swa_buffers=parts.get("swa", []),
         mamba_states=_states(r2t) if hasattr(r2t, "mamba_pool") else [],
-        window_pages=window,
+        window_pages=-(-window_tokens // page),
+        swa_page_buffers=parts.get("swa_pages", []),
     )
 
 
@@ -314,7 +434,7 @@ def round_trip(
     page_index = slots[::page] // page
     every = [b for bufs in stack.slot_buffers.values() for b in bufs]
     every += [b for bufs in stack.page_buffers.values() for b in bufs]
-    every += stack.swa_buffers + stack.mamba_states
+    every += stack.swa_buffers + stack.swa_page_buffers + stack.mamba_states
     for b in every:
         _randomize(b, gen)
     written = {name: _rows(bufs, slots) for name, bufs in stack.slot_buffers.items()}
@@ -325,6 +445,9 @@ def round_trip(
     if stack.swa_buffers:
         swa_slots = allocator.translate_loc_from_full_to_swa(slots)
         written["swa"] = _rows(stack.swa_buffers, swa_slots[tail])
+    if stack.swa_page_buffers:
+        swa_pages = allocator.translate_loc_from_full_to_swa(slots[tail])[::page]
+        written["swa_pages"] = _rows(stack.swa_page_buffers, swa_pages // page)
     if stack.mamba_states:
         r2t = stack.params.req_to_token_pool
         state = r2t.mamba_allocator.alloc(1)
@@ -376,6 +499,9 @@ def round_trip(
         if stack.swa_buffers:
             window = allocator.translate_loc_from_full_to_swa(private[tail])
             landed["swa"] = _rows(stack.swa_buffers, window)
+        if stack.swa_page_buffers:
+            window = allocator.translate_loc_from_full_to_swa(private[tail])[::page]
+            landed["swa_pages"] = _rows(stack.swa_page_buffers, window // page)
         if stack.mamba_states:
             landed["mamba"] = _state_rows(
                 stack.mamba_states, int(req.kv.mamba_pool_idx)

@@ -138,13 +138,16 @@ def swa_kv_pool(
     )
 
 
-def swa_allocator(kvcache: Any, tokens: int, page: int) -> Any:
-    """The ``SWATokenToKVPoolAllocator`` over ``kvcache`` (``tokens`` slots each)."""
+def swa_allocator(
+    kvcache: Any, tokens: int, page: int, swa_tokens: int | None = None
+) -> Any:
+    """The ``SWATokenToKVPoolAllocator`` over ``kvcache`` (``tokens`` full slots,
+    ``swa_tokens`` SWA slots, by default as many)."""
     from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
 
     return SWATokenToKVPoolAllocator(
         size=tokens,
-        size_swa=tokens,
+        size_swa=tokens if swa_tokens is None else swa_tokens,
         page_size=page,
         dtype=torch.bfloat16,
         device="cpu",

@@ -290,7 +290,12 @@ class PageLayout:
         described = [
             pool_group_layout.describe_entry(e, page_size) for e in group.entries
         ]
-        pools = [p for entry_pools, _ in described for p in entry_pools]
+        # KV-indexed pools first (DeepSeek V4 lists its SWA entry first): a
+        # prefix's first page is looked up in the layout's first pool.
+        pools = sorted(
+            (p for entry_pools, _ in described for p in entry_pools),
+            key=lambda p: p.policy is not HitPolicy.ALL_PAGES,
+        )
         geometry = [entry_geometry for _, entry_geometry in described]
         if not pools or pools[0].trailing:
             raise KVCRLayoutError(

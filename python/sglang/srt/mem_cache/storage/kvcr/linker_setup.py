@@ -70,14 +70,15 @@ def linker_pools(layout: Any, components: Any) -> dict[Any, Any]:
 
     kinds = {ComponentType(int(c)) for c in components or ()}
     pools = dict(layout.entry_map)
-    names = {str(name) for name in pools}
+    sources = {p.indices_from for p in layout.pools}
     wanted = {ComponentType.FULL: "kv", ComponentType.SWA: "swa"}
     wanted[ComponentType.MAMBA] = "mamba"
-    missing = sorted(k.name for k in kinds if wanted.get(k, "") not in names)
+    missing = sorted(k.name for k in kinds if wanted.get(k, "") not in sources)
     if missing:
         raise KVCRLayoutError(
             f"tree components {missing} have no pool in the KVCR page layout "
-            f"{sorted(names)}; drop --unified-cache-external-linker-backend "
+            f"{sorted(str(n) for n in pools)}; drop "
+            "--unified-cache-external-linker-backend "
             "for this model"
         )
     return pools

@@ -58,11 +58,26 @@ FAMILIES: dict[str, Family] = {
         False, "SGLang 0.5.23 builds its Mamba group only over an MLA full pool"
     ),
     "DeepSeek V4": Family(
-        False, "compressed and ring-state regions: no CPU round trip verifies them"
+        True,
+        "SGLang's group: compressed KV and indexer pages of every ratio, SWA "
+        "window and C4 compress states (paged SWA; V4, V4.1 and trtllm FP8 "
+        "rows; an MTP layer)",
+    ),
+    "DeepSeek V4 per-request SWA": Family(
+        False,
+        "unified_kv, encoder SWA replay and the draft SWA ring keep SWA per "
+        "request, outside the tree",
     ),
     "MiniMax sparse": Family(False, "SGLang 0.5.23 builds no direct-linker group"),
     "scaled KV": Family(False, "FP4/MXFP8 scale buffers are outside the group"),
     "page-major/HND": Family(False, "rows are not NHD token slots"),
+}
+
+# DeepSeek V4 pool attributes set when SWA is kept per request (and what sets it)
+_DSV4_PER_REQUEST = {
+    "unified_kv_pool": "unified kv (SGLANG_HACK_FLASHMLA_BACKEND=unified_kv_triton)",
+    "request_window": "request window (--enable-encoder-swa-bounded-replay)",
+    "swa_req_ring_size": "swa req ring (the DSpark draft's SWA ring)",
 }
 
 _POLICY = {
@@ -108,7 +123,12 @@ def pool_group(
     kinds = {ComponentType(int(c)) for c in components}
     mamba = ComponentType.MAMBA in kinds
     if isinstance(kvcache, DeepSeekV4TokenToKVPool):
-        raise refuse("DeepSeek V4", FAMILIES["DeepSeek V4"].why)
+        kept = [a for a in _DSV4_PER_REQUEST if getattr(kvcache, a, None) is not None]
+        if kept:
+            family = "DeepSeek V4 per-request SWA"
+            why = f"{_DSV4_PER_REQUEST[kept[0]]}: {FAMILIES[family].why}"
+            raise refuse(family, why)
+        return "DeepSeek V4", _sglang_group("DeepSeek V4", kvcache, params, kinds)
     if isinstance(kvcache, MiniMaxSparseKVPool):
         raise refuse("MiniMax sparse", FAMILIES["MiniMax sparse"].why)
     if (ComponentType.SWA in kinds) != isinstance(kvcache, SWAKVPool):
