@@ -20,6 +20,12 @@ from typing import Any
 import torch
 
 from cpu_harness import kvcr_stack
+from cpu_harness.kvcr_dsv4 import (
+    DSV4_VARIANTS,
+    dsv4_page_rows,
+    dsv4_pool,
+    dsv4_ring_rows,
+)
 from cpu_harness.kvcr_pages import wait_until
 
 HEADS, DIM, LORA, ROPE = 2, 8, 16, 8
@@ -145,102 +151,6 @@ def _states(r2t: Any) -> list[torch.Tensor]:
 PAGES = {"DSA": 64, "FULL+MAMBA": 1, "FULL+SWA+MAMBA": 1, "DeepSeek V4": 256}
 
 
-# DeepSeek V4 pool variants that build on CPU: the main-cache layout, the
-# per-layer compress ratios (0: SWA only) and the layers whose KV the ratio-1/2
-# layers share (``kv_source_layers``).
-DSV4_VARIANTS: dict[str, dict[str, Any]] = {
-    "v4": {"ratios": (0, 4, 128, 4)},
-    "v41": {"ratios": (0, 4, 128, 4), "kv_layout": "v41"},
-    "v41_new": {"ratios": (0, 4, 128, 4), "kv_layout": "v41_new"},
-    "v4_ratio12": {"ratios": (1, 2, 4, 128), "kv_source_layers": (0, 1)},
-    "v41_ratio12": {
-        "ratios": (1, 2, 4, 128),
-        "kv_source_layers": (0, 1),
-        "kv_layout": "v41",
-    },
-    # --dsv4-attn-backend trtllm: uniform 512-byte FP8 rows
-    "v4_trtllm": {"ratios": (0, 4, 128, 4), "server_args": {"dsv4_attn_backend": "trtllm"}},
-    # an MTP (NextN) draft layer, its SWA packed into the target's SWA entry
-    "v4_mtp": {"ratios": (0, 4, 128, 4), "mtp_layers": 1},
-}
-
-
-def dsv4_pool(
-    full: int, swa: int, page: int = 256, variant: str = "v4", draft: bool = False
-) -> Any:
-    """A DeepSeek V4 pool with the real per-token geometry (448 FP8 nope + 64 BF16
-    rope, indexer 128): paged SWA, a KV (+ indexer) pool per compress ratio, and
-    the C4 compress states, sized the way SGLang's configurator sizes them."""
-    from sglang.srt.mem_cache.deepseek_v4_memory_pool import (
-        DeepSeekV4TokenToKVPool,
-        KVLayout,
-        get_compress_state_ring_size,
-    )
-
-    spec = DSV4_VARIANTS[variant]
-    ratios = [0] * spec["mtp_layers"] if draft else list(spec["ratios"])
-    return DeepSeekV4TokenToKVPool(
-        max_num_reqs=4,
-        swa_size=swa,
-        c4_size=full // 4,
-        c128_size=full // 128,
-        c4_state_pool_size=swa // page * get_compress_state_ring_size(4),
-        c128_state_pool_size=0,
-        page_size=page,
-        swa_page_size=page,
-        dtype=torch.float8_e4m3fn,
-        c4_state_dtype=torch.float32,
-        c128_state_dtype=torch.float32,
-        qk_nope_head_dim=448,
-        qk_rope_head_dim=64,
-        indexer_head_dim=128,
-        layer_num=len(ratios),
-        device="cpu",
-        enable_memory_saver=False,
-        compression_ratios=ratios,
-        sliding_window=128,
-        start_layer=0,
-        end_layer=len(ratios),
-        full_size=full,
-        kv_source_layers=[] if draft else list(spec.get("kv_source_layers", ())),
-        kv_layout=KVLayout.parse(spec.get("kv_layout", "v4")),
-        is_draft_worker=draft,
-    )
-
-
-def dsv4_page_rows(pool: Any, page: int) -> dict[str, list[torch.Tensor]]:
-    """Every compressed KV and indexer buffer of ``pool`` as one byte row per
-    full page (``page`` tokens): ``c<ratio>`` and ``c<ratio>_indexer``."""
-    out: dict[str, list[torch.Tensor]] = {}
-    for ratio, kv in pool.kv_pools.items():
-        if kv is not None:
-            out[f"c{ratio}"] = list(kv.kv_buffer)
-    for ratio, index in pool.index_pools.items():
-        per_page = max(1, page // ratio // int(index.page_size))
-        rows = []
-        for buf in index.contiguous_page_row_buffers():
-            pages = buf.shape[0] // per_page
-            raw = buf[: pages * per_page].view(torch.uint8)
-            rows.append(raw.reshape(pages, -1))
-        out[f"c{ratio}_indexer"] = rows
-    return out
-
-
-def dsv4_ring_rows(pool: Any) -> list[torch.Tensor]:
-    """Every SWA-page-addressed compress state as one byte row per SWA page (a
-    page's ring of ``ring_size`` state rows); request-scoped C128 state is not
-    part of a prefix."""
-    rows = []
-    for p in (*pool.compress_state_pools, *pool.indexer_compress_state_pools):
-        if p is None or p.request_scoped:
-            continue
-        state, ring = p.kv_score_buffer.kv_score, int(p.ring_size)
-        usable = state.shape[0] // ring * ring
-        raw = state.view(torch.uint8).reshape(state.shape[0], -1)[:usable]
-        rows.append(raw.reshape(usable // ring, -1))
-    return rows
-
-
 def family_parts(family: str, page: int, variant: str = "v4") -> dict[str, Any]:
     """Pools, allocator and what to compare, per family (page 4; DSA needs 64;
     Mamba without its extra tracking buffer needs 1)."""
@@ -332,7 +242,9 @@ def build(family: str, variant: str = "v4") -> FamilyStack:
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     page = PAGES.get(family, 4)
-    extra = DSV4_VARIANTS[variant].get("server_args", {}) if family == "DeepSeek V4" else {}
+    extra = (
+        DSV4_VARIANTS[variant].get("server_args", {}) if family == "DeepSeek V4" else {}
+    )
     server_args = publish_server_args(
         page, "org/draft" if family == "draft" else None, **extra
     )

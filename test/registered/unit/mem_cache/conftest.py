@@ -1,5 +1,7 @@
 """Fixtures the linker unit tests share: a small real CPU KV pool and a bare KVCR
-linker over it (``cpu_harness.kvcr_pages``), closed after each test.
+linker over it (``cpu_harness.kvcr_pages``), closed after each test, and
+``plugin_hooks``: SGLang's plugin loader run once per module, with every hook of
+ours checked installed.
 
 A module changes what it gets by overriding ``pool`` (another pool) or
 ``linker_options`` (``kvcr_pages.make_linker`` keyword arguments: components,
@@ -30,3 +32,14 @@ def linker(pool: Any, linker_options: dict[str, Any]) -> Any:
     lk = kvcr_pages.make_linker(pool, **linker_options)
     yield lk
     lk.close()
+
+
+@pytest.fixture(scope="module")
+def plugin_hooks() -> None:
+    from sglang.srt.plugins import load_plugins
+
+    from sglang.srt.mem_cache.storage.kvcr import integration
+
+    load_plugins()
+    missing = [t for t, ok in integration.installed_hooks().items() if not ok]
+    assert not missing, f"load_plugins() left {missing} unhooked"

@@ -32,7 +32,7 @@ from sglang.srt.mem_cache.storage.kvcr.kvcr_direct_linker import (
 from sglang.srt.mem_cache.storage.kvcr.kvcr_layout import PageLayout
 from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
 
-pytestmark = pytest.mark.kvcr
+pytestmark = [pytest.mark.kvcr, pytest.mark.usefixtures("plugin_hooks")]
 
 PAGE = 4
 WAIT_S = 10.0
@@ -229,15 +229,6 @@ def test_hub_cache_blob_names_are_used_as_content_hashes(tmp_path):
 
 
 # ---- weight updates on a real stack ---------------------------------------------
-
-
-@pytest.fixture(scope="module", autouse=True)
-def plugin_hooks() -> None:
-    from sglang.srt.plugins import load_plugins
-
-    load_plugins()
-    missing = [t for t, ok in integration.installed_hooks().items() if not ok]
-    assert not missing, f"load_plugins() left {missing} unhooked"
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-from cpu_harness import kvcr_families, kvcr_stack
+from cpu_harness import kvcr_dsv4, kvcr_families, kvcr_stack
 from cpu_harness.kvcr_pages import wait_until
 from sglang.srt.mem_cache.storage.kvcr import pool_group_layout
 from sglang.srt.mem_cache.storage.kvcr.kvcr_layout import (
@@ -70,13 +70,6 @@ TARGET = {"draft": "MHA"}  # the draft rides its target's family
 IDENTITY = ModelIdentity("org/model", "rev", "org/draft", 0, 2)
 
 
-@pytest.fixture(scope="module")
-def plugin_hooks() -> None:
-    from sglang.srt.plugins import load_plugins
-
-    load_plugins()
-
-
 @pytest.fixture(scope="module", params=list(POOLS))
 def stack(request: pytest.FixtureRequest, plugin_hooks: None) -> Any:
     built = kvcr_families.build(request.param)
@@ -107,53 +100,6 @@ def test_every_component_round_trips_byte_exact_through_the_cache(stack: Any):
         for want, got in zip(rows, rt.landed[kind], strict=True):
             assert torch.equal(got, want), (stack.family, kind)
     assert stack.linker.claims_held() == 0
-
-
-@pytest.mark.parametrize(
-    "variant", [v for v in kvcr_families.DSV4_VARIANTS if v != "v4"]
-)
-def test_every_deepseek_v4_pool_layout_round_trips_byte_exact(
-    plugin_hooks: None, variant: str
-):
-    """V4.1 layouts, ratio-1/2 layers sharing source KV, the trtllm uniform FP8
-    rows and an MTP layer's SWA: every compressed KV, indexer, SWA and compress
-    state row of the restored prefix lands as written. DeepSeek V4 is
-    rank-replicated but windowed, so every rank stores its own pages."""
-    from sglang.srt.mem_cache.storage.kvcr.replica_broadcast import stores_once
-
-    stack = kvcr_families.build("DeepSeek V4", variant)
-    try:
-        assert stack.linker.layout.rank_replicated
-        assert not stores_once(stack.linker.layout, 2)
-        rt = kvcr_families.round_trip(stack, pages=3, seed=2)
-        assert rt.host_hit_length == rt.loaded_tokens == 3 * stack.page
-        assert rt.failed == [] and set(rt.landed) == set(rt.written)
-        for kind, rows in rt.written.items():
-            assert len(rt.landed[kind]) == len(rows) > 0
-            for want, got in zip(rows, rt.landed[kind], strict=True):
-                assert torch.equal(got, want), (variant, kind)
-        assert stack.linker.claims_held() == 0
-    finally:
-        stack.linker.close()
-
-
-def test_each_deepseek_v4_pool_layout_has_its_own_digest(plugin_hooks: None):
-    digests = set()
-    for variant, spec in kvcr_families.DSV4_VARIANTS.items():
-        kvcr_families.publish_server_args(256, **spec.get("server_args", {}))
-        parts = kvcr_families.family_parts("DeepSeek V4", 256, variant)
-        params = SimpleNamespace(
-            page_size=256,
-            req_to_token_pool=parts["r2t"],
-            mtp_draft_device_pools=parts.get("mtp", ()),
-            sidecar_draft_device_pools=(),
-        )
-        _, group = pool_group_layout.pool_group(
-            parts["kvcache"], params, set(parts["components"])
-        )
-        layout = PageLayout.from_pool_group(group, identity=IDENTITY)
-        digests.add(layout.compatibility_digest)
-    assert len(digests) == len(kvcr_families.DSV4_VARIANTS)
 
 
 def test_kvcr_spans_are_the_group_entries_own_addresses(stack: Any):
@@ -378,33 +324,9 @@ def _bare(cls_path: str) -> Any:
     return build
 
 
-def _dsv4_per_request(attr: str) -> Any:
-    def build(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, dict[str, Any]]:
-        pool, extra = _bare(
-            "sglang.srt.mem_cache.deepseek_v4_memory_pool.DeepSeekV4TokenToKVPool"
-        )(monkeypatch)
-        setattr(pool, attr, object())  # only its presence is inspected
-        return pool, {"components": {ComponentType.FULL, ComponentType.SWA}}
-
-    return build
-
-
-@pytest.mark.parametrize(
-    "attr", ["unified_kv_pool", "request_window", "swa_req_ring_size"]
-)
-def test_deepseek_v4_swa_kept_per_request_is_refused(
-    attr: str, monkeypatch: pytest.MonkeyPatch
-):
-    """unified_kv, encoder SWA replay and the DSpark draft ring keep SWA per
-    request, outside the tree: no page layout describes them."""
-    kvcache, extra = _dsv4_per_request(attr)(monkeypatch)
-    with pytest.raises(KVCRLayoutError) as info:
-        kvcr_stack.bare_linker(
-            kvcache, 256, {"local_dram_bytes_per_worker": 1 << 20}, **extra
-        )
-    message = str(info.value)
-    assert message.startswith("DeepSeek V4 per-request SWA model:"), message
-    assert attr.removesuffix("_pool").removesuffix("_size") in message.replace(" ", "_")
+def _dsv4_per_request(_: pytest.MonkeyPatch) -> tuple[Any, dict[str, Any]]:
+    pool = kvcr_dsv4.per_request_pool("request_window")
+    return pool, {"components": {ComponentType.FULL, ComponentType.SWA}}
 
 
 def _scaled(_: pytest.MonkeyPatch) -> tuple[Any, dict[str, Any]]:
@@ -421,7 +343,7 @@ def _hnd(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, dict[str, Any]]:
 REFUSED = {
     "FULL(MHA)+MAMBA": (_mha_mamba, "--unified-cache-external-linker-backend"),
     "DeepSeek V4 per-request SWA": (
-        _dsv4_per_request("request_window"),
+        _dsv4_per_request,
         "--unified-cache-external-linker-backend",
     ),
     "MiniMax sparse": (

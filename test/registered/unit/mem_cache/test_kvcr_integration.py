@@ -32,7 +32,7 @@ from sglang.srt.mem_cache.storage.kvcr import integration
 from sglang.srt.mem_cache.storage.kvcr.errors import KVCRUnavailableError
 from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
 
-pytestmark = pytest.mark.kvcr
+pytestmark = [pytest.mark.kvcr, pytest.mark.usefixtures("plugin_hooks")]
 
 PAGE = 4
 LAYERS = 2
@@ -61,15 +61,6 @@ class Stack:
     kvcache: Any
     allocator: Any
     linker: Any
-
-
-@pytest.fixture(scope="module", autouse=True)
-def plugin_hooks() -> None:
-    from sglang.srt.plugins import load_plugins
-
-    load_plugins()
-    missing = [t for t, ok in integration.installed_hooks().items() if not ok]
-    assert not missing, f"load_plugins() left {missing} unhooked"
 
 
 def build_cache(*, tree_core: str = "python", events: bool = False, **cfg: Any):

@@ -275,13 +275,6 @@ def test_swa_digest_differs_from_a_plain_pool_of_the_same_geometry(pool, linker)
 # ---- through SGLang's wrapper and a real FULL+SWA UnifiedRadixCache ---------------
 
 
-@pytest.fixture(scope="module")
-def plugin_hooks():
-    from sglang.srt.plugins import load_plugins
-
-    load_plugins()
-
-
 def test_swa_tail_restores_through_the_unified_cache_bit_exact(plugin_hooks):
     """Insert (write-through to KVCR), evict from the device, then a request's match,
     load_back and layer-wise restore put back full KV for the tail and window KV

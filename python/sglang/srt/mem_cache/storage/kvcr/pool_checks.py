@@ -1,0 +1,83 @@
+"""Refusals of device pools the KVCR page layout cannot describe exactly.
+
+``check_plain_pool`` guards the pools ``pool_group_layout.plain_group`` wraps
+itself (only the dense ``MHATokenToKVPool``/``MLATokenToKVPool`` classes, no
+page-major rows, no scale buffers); ``check_pool`` guards every entry of a
+group SGLang builds: NHD slot rows of every layer, no layer sharding, and no
+scale bytes the entry does not carry. Each refusal is a ``KVCRLayoutError``
+naming the pool class, the family where known, and the setting to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from sglang.srt.mem_cache.storage.kvcr.kvcr_layout import SUPPORTED, KVCRLayoutError
+
+_SCALED = (
+    "scaled KV caches (scale buffers) are not supported (model family 'scaled "
+    "KV'; choose an unscaled --kv-cache-dtype)"
+)
+
+
+def check_plain_pool(pool: Any, page_size: int) -> None:
+    """Refuse a pool ``plain_group`` cannot describe exactly (naming its class)."""
+    from sglang.srt.mem_cache.memory_pool import (
+        MHATokenToKVPool,
+        MLATokenToKVPool,
+        PageMajorMHATokenToKVPool,
+    )
+
+    name, attrs = type(pool).__name__, getattr(pool, "__dict__", {})
+    if isinstance(pool, PageMajorMHATokenToKVPool):
+        reason = (
+            "page-major pools have no per-layer contiguous regions (model family "
+            "'page-major/HND'; drop --enable-page-major-kv-layout)"
+        )
+    elif any(v is not None for k, v in attrs.items() if k.endswith("scale_buffer")):
+        reason = _SCALED
+    elif type(pool) not in (MHATokenToKVPool, MLATokenToKVPool):
+        reason = "this pool class cannot be described"
+    else:
+        check_pool(pool, page_size)
+        return
+    raise KVCRLayoutError(f"{name}: {reason}; {SUPPORTED}")
+
+
+def check_pool(pool: Any, page_size: int, entry: Any = None, family: str = "") -> None:
+    """Refuse a device pool whose rows are not NHD token slots of every layer,
+    or that keeps scale bytes the entry does not carry."""
+    name, attrs = type(pool).__name__, getattr(pool, "__dict__", {})
+    carried = set() if entry is None else {b.data_ptr() for b in entry.kv_buffer}
+    scales = [
+        t
+        for k, v in attrs.items()
+        if k.endswith("scale_buffer") and v is not None
+        for t in _tensors(v)
+    ]
+    reason = ""
+    if any(t.data_ptr() not in carried for t in scales):
+        reason = _SCALED
+    elif str(getattr(pool, "kv_cache_layout", "nhd")) != "nhd":
+        reason = (
+            f"layout {pool.kv_cache_layout!r} is not NHD slot rows (model family "
+            "'page-major/HND'; unset SGLANG_USE_HND_KVCACHE)"
+        )
+    elif getattr(pool, "layer_shard_enabled", False):
+        reason = "layer-sharded pools do not own every layer"
+    elif int(getattr(pool, "page_size", page_size)) != page_size and entry is None:
+        reason = f"its page_size {pool.page_size} differs from {page_size}"
+    if reason:
+        where = f"{family} model, " if family else ""
+        raise KVCRLayoutError(f"{name}: {where}{reason}; {SUPPORTED}")
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _tensors(item)
