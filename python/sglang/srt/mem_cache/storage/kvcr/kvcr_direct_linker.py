@@ -100,29 +100,30 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
         res = linker_setup.build_resources(
             self.layout, cfg, sharers, self._device, self.page_size
         )
-        self.dram = res.dram
-        self.stats = LinkerStats()
-        self.report = linker_stats.StatsReport(
-            self.stats_snapshot,
-            linker_metrics.build(
-                server_args, self.page_size, self.stats.samples, self.stats_snapshot
-            ),
-        )
-        self.hints = RouterHintParser(
-            EndpointAllowlist.from_config(cfg), rank_offset=self.placement.shard_rank
-        )
-        self.preparations = Preparations(self.stats)
-        self.residency = Residency(self.layout)
-        self.stored_pages = StoredPages()  # what EXTERNAL events announced
-        self.offloader = Offloader(
-            layout=self.layout,
-            page_size=self.page_size,
-            staging=res.staging,
-            device=self._device,
-            stats=self.stats,
-            timeout_s=cfg.operation_timeout_ms / 1000.0,
-        )
-        try:
+        try:  # until KVCR is up, the resources are released on any failure
+            self.dram = res.dram
+            self.stats = LinkerStats()
+            self.report = linker_stats.StatsReport(
+                self.stats_snapshot,
+                linker_metrics.build(
+                    server_args, self.page_size, self.stats.samples, self.stats_snapshot
+                ),
+            )
+            self.hints = RouterHintParser(
+                EndpointAllowlist.from_config(cfg),
+                rank_offset=self.placement.shard_rank,
+            )
+            self.preparations = Preparations(self.stats)
+            self.residency = Residency(self.layout)
+            self.stored_pages = StoredPages()  # what EXTERNAL events announced
+            self.offloader = Offloader(
+                layout=self.layout,
+                page_size=self.page_size,
+                staging=res.staging,
+                device=self._device,
+                stats=self.stats,
+                timeout_s=cfg.operation_timeout_ms / 1000.0,
+            )
             self.session = KVCRSession.for_rank(cfg, self.placement, self.layout, res)
         except BaseException:
             res.release(cfg.owner_wait_timeout_s)  # nothing has used them yet
