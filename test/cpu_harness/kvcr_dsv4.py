@@ -34,6 +34,14 @@ DSV4_VARIANTS: dict[str, dict[str, Any]] = {
     },
     # an MTP (NextN) draft layer, its SWA packed into the target's SWA entry
     "v4_mtp": {"ratios": (0, 4, 128, 4), "mtp_layers": 1},
+    # no C128 layer: V4.1 and V4.1-new rows are then the same size everywhere
+    "v41_c4": {"ratios": (0, 4, 4, 4), "kv_layout": "v41"},
+    "v41_new_c4": {"ratios": (0, 4, 4, 4), "kv_layout": "v41_new"},
+    # the FP4 indexer: payload and scale buffers in sibling entries
+    "v4_fp4_indexer": {
+        "ratios": (0, 4, 128, 4),
+        "server_args": {"enable_deepseek_v4_fp4_indexer": True},
+    },
 }
 
 

@@ -299,6 +299,20 @@ def _state_rows(states: list[torch.Tensor], slot: int) -> list[torch.Tensor]:
     return [s[:, slot].reshape(-1).view(torch.uint8).clone() for s in states]
 
 
+def _written_elsewhere(
+    buffers: list[torch.Tensor], index: torch.Tensor, dim: int = 0
+) -> bool:
+    """Whether any row of ``buffers`` outside ``index`` (along ``dim``) is not
+    zero: the buffers were zeroed before the restore, which must write only
+    the request's own rows."""
+    for b in buffers:
+        keep = torch.ones(b.shape[dim], dtype=torch.bool)
+        keep[index.long()] = False
+        if b.view(torch.uint8).movedim(dim, 0)[keep].any():
+            return True
+    return False
+
+
 @dataclasses.dataclass
 class RoundTrip:
     """What was written and what landed, per buffer kind (lists of byte rows)."""
@@ -308,6 +322,9 @@ class RoundTrip:
     host_hit_length: int
     loaded_tokens: int
     failed: list[str]
+    # buffer kinds with a non-zero row outside the request's own after the
+    # restore (every buffer was zeroed before it)
+    stray: list[str] = dataclasses.field(default_factory=list)
 
 
 def round_trip(
@@ -418,5 +435,28 @@ def round_trip(
             landed["mamba"] = _state_rows(
                 stack.mamba_states, int(req.kv.mamba_pool_idx)
             )
+        slot = int(req.kv.mamba_pool_idx) if stack.mamba_states else None
+        stray = _stray_kinds(stack, private, tail, slot)
     stack.linker.finish_request(req.rid)
-    return RoundTrip(written, landed, hit, loaded, failed)
+    return RoundTrip(written, landed, hit, loaded, failed, stray if hit else [])
+
+
+def _stray_kinds(
+    stack: FamilyStack, private: torch.Tensor, tail: slice, mamba_slot: int | None
+) -> list[str]:
+    """The buffer kinds a restore wrote outside the request's own rows."""
+    page, allocator = stack.page, stack.allocator
+    out = [n for n, b in stack.slot_buffers.items() if _written_elsewhere(b, private)]
+    pages = private[::page] // page
+    out += [n for n, b in stack.page_buffers.items() if _written_elsewhere(b, pages)]
+    if stack.swa_buffers or stack.swa_page_buffers:
+        window = allocator.translate_loc_from_full_to_swa(private[tail])
+        if _written_elsewhere(stack.swa_buffers, window):
+            out.append("swa")
+        if _written_elsewhere(stack.swa_page_buffers, window[::page] // page):
+            out.append("swa_pages")
+    if mamba_slot is not None and _written_elsewhere(
+        stack.mamba_states, torch.tensor([mamba_slot]), dim=1
+    ):
+        out.append("mamba")
+    return out

@@ -548,3 +548,41 @@ def test_unsupported_parallel_layouts_are_refused_naming_the_flag(pool, field, f
     with pytest.raises(KVCRConfigError, match=flag):
         refuse_unsupported_topology(SimpleNamespace(**{field: 2}))
     refuse_unsupported_topology(SimpleNamespace(**{field: 1}))
+
+
+@pytest.mark.parametrize("where", ["metrics", "restorer"])
+def test_a_start_up_failure_gives_back_what_it_took(where, monkeypatch):
+    """A failure while the linker is built (registering its metrics, before
+    KVCR starts; starting the restorer, after) reaches the caller unchanged and
+    leaves nothing behind: the DRAM share is unlocked, a started KVCR is closed,
+    and no thread of the linker outlives the constructor."""
+    from sglang.srt.mem_cache.storage.kvcr import kvcr_direct_linker, linker_metrics
+    from sglang.srt.mem_cache.storage.kvcr.host_memory import HostMemory
+    from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import KVCRAdapter
+
+    calls = []
+
+    def spy(cls, name):
+        real = getattr(cls, name)
+
+        def wrapped(self, *args, **kwargs):
+            calls.append(name)
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, wrapped)
+
+    def fail(*_args, **_kwargs):
+        raise RuntimeError("start-up failed here")
+
+    spy(HostMemory, "release_all")
+    spy(KVCRAdapter, "close")
+    site = linker_metrics if where == "metrics" else kvcr_direct_linker
+    monkeypatch.setattr(site, "build" if where == "metrics" else "Restorer", fail)
+    before = set(threading.enumerate())
+    with pytest.raises(RuntimeError, match="start-up failed here"):
+        pages.make_linker(pages.make_pool("cpu"))
+    assert calls == (["release_all"] if where == "metrics" else ["close"])
+    wait_until(
+        lambda: not [t for t in threading.enumerate() if t not in before],
+        what="the linker's threads stopped",
+    )

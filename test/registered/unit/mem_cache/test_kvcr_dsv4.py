@@ -46,7 +46,8 @@ def test_every_deepseek_v4_pool_layout_round_trips_byte_exact(
         assert not stores_once(stack.linker.layout, 2)
         rt = kvcr_families.round_trip(stack, pages=3, seed=2)
         assert rt.host_hit_length == rt.loaded_tokens == 3 * stack.page
-        assert rt.failed == [] and set(rt.landed) == set(rt.written)
+        assert rt.failed == [] and rt.stray == []
+        assert set(rt.landed) == set(rt.written)
         for kind, rows in rt.written.items():
             assert len(rt.landed[kind]) == len(rows) > 0
             for want, got in zip(rows, rt.landed[kind], strict=True):
@@ -91,3 +92,44 @@ def test_deepseek_v4_swa_kept_per_request_is_refused(attr: str):
     message = str(info.value)
     assert message.startswith("DeepSeek V4 per-request SWA model:"), message
     assert attr.removesuffix("_pool").removesuffix("_size") in message.replace(" ", "_")
+
+
+def test_an_mtp_draft_not_on_the_targets_swa_pages_is_refused(plugin_hooks: None):
+    """SGLang packs an MTP draft's SWA rows into the target's SWA entry, so they
+    are restored at the target's SWA pages: a draft addressed through another
+    full-to-SWA mapping (or by full indices) would get wrong rows; refused."""
+    kvcr_families.publish_server_args(256)
+    parts = kvcr_families.family_parts("DeepSeek V4", 256, "v4_mtp")
+    (draft,) = parts["mtp"]
+    params = SimpleNamespace(
+        page_size=256,
+        req_to_token_pool=parts["r2t"],
+        mtp_draft_device_pools=(draft,),
+        sidecar_draft_device_pools=(),
+    )
+    components = set(parts["components"])
+    assert pool_group_layout.pool_group(parts["kvcache"], params, components)
+    draft.register_mapping(draft.full_to_swa_index_mapping.clone())
+    with pytest.raises(KVCRLayoutError, match="MTP draft pool's SWA rows"):
+        pool_group_layout.pool_group(parts["kvcache"], params, components)
+
+
+def test_the_compared_state_rows_are_the_rows_sglang_addresses(plugin_hooks: None):
+    """The harness compares a compress state's ring row per SWA page; SGLang's
+    own addressing puts every position of SWA page ``p`` in ring row ``p``."""
+    from cpu_harness.kvcr_dsv4 import dsv4_pool, dsv4_ring_rows
+
+    kvcr_families.publish_server_args(256)
+    pool = dsv4_pool(8 * 256, 4 * 256)
+    states = [
+        p
+        for p in (*pool.compress_state_pools, *pool.indexer_compress_state_pools)
+        if p is not None and not p.request_scoped
+    ]
+    assert len(states) == len(dsv4_ring_rows(pool)) == 4
+    for state in states:
+        ring = int(state.ring_size)
+        for page in (1, 3):
+            locs = torch.arange(page * 256, (page + 1) * 256)
+            rows = state.translate_from_swa_loc_to_state_loc(locs) // ring
+            assert set(rows.tolist()) == {page}

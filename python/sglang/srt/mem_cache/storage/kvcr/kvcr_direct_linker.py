@@ -100,7 +100,8 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
         res = linker_setup.build_resources(
             self.layout, cfg, sharers, self._device, self.page_size
         )
-        try:  # until KVCR is up, the resources are released on any failure
+        session = None
+        try:  # a start-up that fails gives back what it took
             self.dram = res.dram
             self.stats = LinkerStats()
             self.report = linker_stats.StatsReport(
@@ -124,21 +125,28 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
                 stats=self.stats,
                 timeout_s=cfg.operation_timeout_ms / 1000.0,
             )
-            self.session = KVCRSession.for_rank(cfg, self.placement, self.layout, res)
+            self.session = session = KVCRSession.for_rank(
+                cfg, self.placement, self.layout, res
+            )
+            self.restorer = Restorer(
+                layout=self.layout,
+                device=self._device,
+                storage=self.dram.storage,
+                dest_rows=res.dest_rows,
+                counter=self.layer_done_counter,
+                stats=self.stats,
+                span_restore=res.span,
+                name=f"kvcr-loader-{self.placement.label()}",
+            )
+            session.log_up(self.placement, self.layout)
         except BaseException:
-            res.release(cfg.owner_wait_timeout_s)  # nothing has used them yet
+            if session is None:  # nothing has used the resources yet
+                res.release(cfg.owner_wait_timeout_s)
+            else:  # KVCR is up: stop it before giving the DRAM back
+                self.offloader.close(cfg.owner_wait_timeout_s)
+                quiet = session.adapter.close()
+                self.dram.close(quiet, self.offloader.staging_buffers())
             raise
-        self.restorer = Restorer(
-            layout=self.layout,
-            device=self._device,
-            storage=self.dram.storage,
-            dest_rows=res.dest_rows,
-            counter=self.layer_done_counter,
-            stats=self.stats,
-            span_restore=res.span,
-            name=f"kvcr-loader-{self.placement.label()}",
-        )
-        self.session.log_up(self.placement, self.layout)
 
     # ---- lifecycle ---------------------------------------------------------------
 

@@ -38,8 +38,8 @@ NO_MATCH_HASH = -1  # KeyAdapter.decode result for foreign keys; router hashes a
 SUPPORTED = (
     "the KVCR linker supports dense MHA/MLA pools (MHATokenToKVPool, "
     "MLATokenToKVPool), sliding-window SWAKVPool over them, and the direct-linker "
-    "pool groups SGLang builds for DSA and Mamba hybrids, with NHD slot rows and "
-    "no scale buffers outside the group (see 'Model families' in "
+    "pool groups SGLang builds for DSA, DeepSeek V4 and Mamba hybrids, with NHD "
+    "slot rows and no scale buffers outside the group (see 'Model families' in "
     "docs/kvcr_direct_linker.md)"
 )
 
@@ -290,12 +290,12 @@ class PageLayout:
         described = [
             pool_group_layout.describe_entry(e, page_size) for e in group.entries
         ]
-        # KV-indexed pools first (DeepSeek V4 lists its SWA entry first): a
-        # prefix's first page is looked up in the layout's first pool.
-        pools = sorted(
-            (p for entry_pools, _ in described for p in entry_pools),
-            key=lambda p: p.policy is not HitPolicy.ALL_PAGES,
-        )
+        pools = [p for entry_pools, _ in described for p in entry_pools]
+        if pools and pools[0].trailing:
+            # A KV-indexed pool first (DeepSeek V4 lists its SWA entry first): a
+            # prefix's first page is looked up in the layout's first pool. Other
+            # groups keep SGLang's order (and so their digests).
+            pools.sort(key=lambda p: p.policy is not HitPolicy.ALL_PAGES)
         geometry = [entry_geometry for _, entry_geometry in described]
         if not pools or pools[0].trailing:
             raise KVCRLayoutError(

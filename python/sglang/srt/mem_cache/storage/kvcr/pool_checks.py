@@ -47,11 +47,15 @@ def check_plain_pool(pool: Any, page_size: int) -> None:
     raise KVCRLayoutError(f"{name}: {reason}; {SUPPORTED}")
 
 
-def check_pool(pool: Any, page_size: int, entry: Any = None, family: str = "") -> None:
+def check_pool(
+    pool: Any, page_size: int, carried: set[int] | None = None, family: str = ""
+) -> None:
     """Refuse a device pool whose rows are not NHD token slots of every layer,
-    or that keeps scale bytes the entry does not carry."""
+    or that keeps scale bytes no entry of its group carries (``carried``: the
+    group's buffer addresses; None for a pool wrapped outside a group)."""
     name, attrs = type(pool).__name__, getattr(pool, "__dict__", {})
-    carried = set() if entry is None else {b.data_ptr() for b in entry.kv_buffer}
+    in_group = carried is not None
+    carried = carried or set()
     scales = [
         t
         for k, v in attrs.items()
@@ -68,7 +72,7 @@ def check_pool(pool: Any, page_size: int, entry: Any = None, family: str = "") -
         )
     elif getattr(pool, "layer_shard_enabled", False):
         reason = "layer-sharded pools do not own every layer"
-    elif int(getattr(pool, "page_size", page_size)) != page_size and entry is None:
+    elif int(getattr(pool, "page_size", page_size)) != page_size and not in_group:
         reason = f"its page_size {pool.page_size} differs from {page_size}"
     if reason:
         where = f"{family} model, " if family else ""

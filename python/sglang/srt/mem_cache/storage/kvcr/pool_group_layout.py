@@ -124,11 +124,8 @@ def pool_group(
     kinds = {ComponentType(int(c)) for c in components}
     mamba = ComponentType.MAMBA in kinds
     if isinstance(kvcache, DeepSeekV4TokenToKVPool):
-        kept = [a for a in _DSV4_PER_REQUEST if getattr(kvcache, a, None) is not None]
-        if kept:
-            family = "DeepSeek V4 per-request SWA"
-            why = f"{_DSV4_PER_REQUEST[kept[0]]}: {FAMILIES[family].why}"
-            raise refuse(family, why)
+        for pool in (kvcache, *getattr(params, "mtp_draft_device_pools", ())):
+            _check_dsv4_swa(pool, kvcache)
         return "DeepSeek V4", _sglang_group("DeepSeek V4", kvcache, params, kinds)
     if isinstance(kvcache, MiniMaxSparseKVPool):
         raise refuse("MiniMax sparse", FAMILIES["MiniMax sparse"].why)
@@ -160,6 +157,25 @@ def pool_group(
     return family, plain_group(kvcache, page_size, draft_pool())
 
 
+def _check_dsv4_swa(pool: Any, target: Any) -> None:
+    """Refuse a DeepSeek V4 target or MTP draft pool whose SWA rows are not the
+    target's paged SWA pages (kept per request, or a draft addressed otherwise:
+    SGLang packs each draft's SWA rows into the target's SWA entry)."""
+    family = "DeepSeek V4 per-request SWA"
+    kept = [a for a in _DSV4_PER_REQUEST if getattr(pool, a, None) is not None]
+    if kept:
+        raise refuse(family, f"{_DSV4_PER_REQUEST[kept[0]]}: {FAMILIES[family].why}")
+    if pool is not target and (
+        getattr(pool, "swa_uses_full_indices", False)
+        or pool.full_to_swa_index_mapping is not target.full_to_swa_index_mapping
+    ):
+        raise refuse(
+            family,
+            "an MTP draft pool's SWA rows are not addressed by the target's SWA "
+            f"pages: {FAMILIES[family].why}",
+        )
+
+
 def _plain_family(kvcache: Any) -> str:
     return "MHA" if hasattr(kvcache, "k_buffer") else "MLA"
 
@@ -182,8 +198,11 @@ def _sglang_group(family: str, kvcache: Any, params: Any, kinds: set[Any]) -> An
         # another layer's top-k keep no indexer rows of their own).
         reason = f"SGLang's direct-linker pool group refuses it: {exc!r}"
         raise refuse(family, reason) from exc
+    # A pool's scales may ride a sibling entry (DeepSeek V4 FP4 indexer: payload
+    # and scale entries over one pool), so every entry's buffers count as carried.
+    carried = {b.data_ptr() for e in group.entries for b in e.kv_buffer}
     for entry in group.entries:
-        check_pool(entry.device_pool, int(params.page_size), entry, family)
+        check_pool(entry.device_pool, int(params.page_size), carried, family)
     return group
 
 
@@ -332,7 +351,37 @@ def describe_entry(
             for part, layer, t, page_bytes, _ in parts
         ],
     }
+    row_format = _row_format(entry.device_pool)
+    if any(row_format):
+        geometry["format"] = row_format
     return layouts, geometry
+
+
+# Device-pool settings that change the bytes of a row whose size they leave
+# alone (DeepSeek V4: V4.1 and V4.1-new order data and scales differently).
+_FORMAT_ATTRS = (
+    "kv_layout",
+    "uniform_fp8",
+    "use_fp4_indexer",
+    "index_k_page8",
+    "index_k_rne",
+    "ring_size",
+    "ratio",
+)
+
+
+def _row_format(device_pool: Any) -> list[dict[str, str]]:
+    pools = device_pool if isinstance(device_pool, list | tuple) else [device_pool]
+    out = []
+    for pool in pools:
+        if pool is None:
+            continue
+        found = {a: str(getattr(pool, a)) for a in _FORMAT_ATTRS if hasattr(pool, a)}
+        state = getattr(getattr(pool, "kv_score_buffer", None), "kv_score", None)
+        if isinstance(state, torch.Tensor):
+            found["state_dtype"] = str(state.dtype)
+        out.append(found)
+    return out
 
 
 def _parts(entry: Any) -> Iterator[tuple[str, int, torch.Tensor, int, int]]:
