@@ -82,7 +82,7 @@ def config_dict(geometry: dict[str, Any], bos: int, eos: int) -> dict[str, Any]:
     }
 
 
-def _special_ids(tok_dir: Path) -> tuple[int, int]:
+def special_ids(tok_dir: Path) -> tuple[int, int]:
     vocab = json.loads((tok_dir / "tokenizer.json").read_text())["model"]["vocab"]
     return int(vocab["<s>"]), int(vocab["</s>"])
 
@@ -107,7 +107,7 @@ def ensure_qwen3_geometry_model(path: str | os.PathLike[str], **geometry: int) -
     if is_current(target, params):
         return target
     tiny = ensure_tiny_model()
-    bos, eos = _special_ids(tiny)
+    bos, eos = special_ids(tiny)
     tok_vocab = len(json.loads((tiny / "tokenizer.json").read_text())["model"]["vocab"])
     if tok_vocab > params["vocab_size"]:
         raise ValueError(

@@ -4,7 +4,13 @@ checks behind ``kvcr_validate.py``, whose docstring says what each one is).
 Every replay is compared with a no-linker control server by greedy output ids and
 by served cached tokens (device and external). The linker servers run with
 ``--enable-metrics``; before they stop, each one's ``sglang:kvcr_`` metrics are
-scraped from ``/metrics`` and the report ends with those that moved.
+scraped from ``/metrics`` and the report ends with those that moved. On CPU with
+the default model, ``mla_round_trip`` and ``swa_round_trip`` also run the local
+round trip on a seeded-weight tiny MLA (DeepSeek V2) and FULL+SWA (Beam) model
+(``kvcr_servers.family_round_trip``, as ``test_kvcr_family_servers`` does): every
+aligned token restored as a prefix hit, output and logprobs equal to a recompute
+after ``/flush_cache`` (their control), and restored bytes equal to the restored
+pages times the page bytes (SWA: only the window's pages).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cpu_harness import kvcr_servers
 from cpu_harness import server as harness
 from cpu_harness.kvcr_pages import fetch_hint
 from kvcr_drivers.bench.serving import (
@@ -26,7 +33,7 @@ from kvcr_drivers.bench.serving import (
     server_env,
 )
 
-CHECKS = (
+BASE_CHECKS = (
     "local_round_trip",
     "flush_clears_residency",
     "peer_reuse",
@@ -34,7 +41,10 @@ CHECKS = (
     "stale_hint_control",
     "dead_peer_control",
 )
-PEER_CHECKS = frozenset(CHECKS[2:])
+# check name -> tiny model family (CPU harness models only)
+FAMILY_CHECKS = {"mla_round_trip": "mla", "swa_round_trip": "swa"}
+CHECKS = BASE_CHECKS + tuple(FAMILY_CHECKS)
+PEER_CHECKS = frozenset(BASE_CHECKS[2:])
 METRIC_PREFIX = "sglang:kvcr_"
 
 
@@ -70,13 +80,40 @@ def page_hashes(token_ids: list[int], page: int) -> list[int]:
     return [page_hash_to_u64(h) for h in hashes]
 
 
+def family_fields(
+    replay: Any,
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """A ``kvcr_servers.FamilyReplay`` as ``Driver.record`` takes it: the replay
+    and control runs, and the report's extra fields (each criterion included)."""
+    result = {
+        "output_ids": replay.replay["output_ids"],
+        "external_cached_tokens": replay.replay["host"],
+        "device_cached_tokens": replay.replay["device"],
+        "wall_s": replay.wall_s,
+    }
+    more = {
+        "family": kvcr_servers.FAMILY_NAMES[replay.family],
+        "criteria": replay.checks(),
+        "restored_bytes": replay.stats().get("restored_bytes"),
+        "expected_restored_bytes": replay.expected_restored_bytes(),
+        "logprobs": replay.replay["logprobs"],
+        "control_logprobs": replay.control["logprobs"],
+        "startup_s": replay.startup_s,
+    }
+    return result, {"output_ids": replay.control["output_ids"]}, more
+
+
 class Driver(ServingRun):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args, "validate")
         self.checks: list[dict[str, Any]] = []
         self.servers: dict[str, harness.ServerHandle] = {}
         self.metrics: dict[str, dict[str, float]] = {}
-        self.selected = set(args.checks.split(",")) if args.checks else set(CHECKS)
+        default = (
+            CHECKS if args.device == "cpu" and not args.model_path else BASE_CHECKS
+        )
+        self.selected = set(args.checks.split(",")) if args.checks else set(default)
+        self.families: dict[str, harness.ServerHandle] = {}
 
     def port(self, offset: int) -> int | None:
         return self.args.port_base + offset if self.args.port_base else None
@@ -186,27 +223,37 @@ class Driver(ServingRun):
         a = self.args
         self.aligned = page_aligned(a.prompt_len, a.page_size)
         self.need = int(0.9 * self.aligned)
-        self.prompts = {name: self.prompt() for name in self.selected}
+        base = [n for n in BASE_CHECKS if n in self.selected]
+        self.prompts = {name: self.prompt() for name in base}
         started = time.monotonic()
         try:
-            control = self.launch("control", None, 0)
-            self.controls = {
-                n: self.run(control, ids) for n, ids in self.prompts.items()
-            }
-            control.stop()
-            ctl_a, ctl_b = self.control_port(1), self.control_port(2)
-            self.a = self.launch("linker_a", self.linker_config(ctl_a), 1)
-            if self.selected & PEER_CHECKS:
-                self.b = self.launch("linker_b", self.linker_config(ctl_b), 2)
-            self.endpoint_a = f"tcp://127.0.0.1:{ctl_a}"
-            for name in CHECKS:  # dead_peer_control last: it leaves B quarantined
+            for name, family in FAMILY_CHECKS.items():  # they boot meanwhile
                 if name in self.selected:
-                    getattr(self, f"check_{name}")(name)
+                    handle = kvcr_servers.launch_family(family, self.work)
+                    self.families[name] = self.servers[family] = handle
+            if base:
+                self.run_base_checks(base)
+            if self.families:  # both round trips at once
+                found = kvcr_servers.family_round_trips(list(self.families.values()))
+                for name, handle in self.families.items():
+                    self.check_family(name, found[handle.family])
         finally:
             self.scrape_metrics()
             for handle in self.servers.values():
                 handle.stop()
         return self.report(time.monotonic() - started)
+
+    def run_base_checks(self, names: list[str]) -> None:
+        control = self.launch("control", None, 0)
+        self.controls = {n: self.run(control, ids) for n, ids in self.prompts.items()}
+        control.stop()
+        ctl_a, ctl_b = self.control_port(1), self.control_port(2)
+        self.a = self.launch("linker_a", self.linker_config(ctl_a), 1)
+        if self.selected & PEER_CHECKS:
+            self.b = self.launch("linker_b", self.linker_config(ctl_b), 2)
+        self.endpoint_a = f"tcp://127.0.0.1:{ctl_a}"
+        for name in names:  # dead_peer_control last: it leaves B quarantined
+            getattr(self, f"check_{name}")(name)
 
     def scrape_metrics(self) -> None:
         """Each live linker server's moved kvcr metrics (after a publish period)."""
@@ -272,6 +319,20 @@ class Driver(ServingRun):
         hashes = page_hashes(self.prompts[name], self.args.page_size)
         r = self.run(self.b, self.prompts[name], kv_hints=fetch_hint(dead, hashes))
         self.record_miss(name, r)
+
+    def check_family(self, name: str, replay: Any) -> None:
+        """The local round trip on a tiny model of another family (a
+        ``FamilyReplay``, or what its round trip raised); its control is the same
+        server's recompute after ``/flush_cache``."""
+        if isinstance(replay, Exception):  # report() records it as not run
+            print(f"[validate] {name}: FAIL ({type(replay).__name__}: {replay})")
+            return
+        result, control, more = family_fields(replay)
+        passed = all(more["criteria"].values())
+        self.record(name, result, control, replay.aligned, passed, **more)
+        if not passed:
+            failed = [k for k, ok in more["criteria"].items() if not ok]
+            print(f"[validate] {name}: failed criteria {failed}", flush=True)
 
     def report(self, wall_s: float) -> int:
         stats = {

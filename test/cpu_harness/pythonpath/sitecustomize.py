@@ -1,11 +1,12 @@
 """Interpreter start-up for CPU SGLang runs in this project (found via PYTHONPATH).
 
 With ``SGLANG_USE_CPU_ENGINE=1`` it installs the ``sgl_kernel`` CPU import hook
-(``sgl_kernel_cpu_hook``) in every process, including SGLang's spawned scheduler
-and detokenizer, before anything can import ``sgl_kernel``. Otherwise it does
-nothing. It stays light (no torch import) and, because a ``sitecustomize`` on
-``PYTHONPATH`` hides any other one, it runs the next ``sitecustomize`` found
-further along ``sys.path``, if there is one.
+(``sgl_kernel_cpu_hook``) and the harness's SGLang CPU patches
+(``sglang_cpu_patches``: the torch_native MLA handler and SWA-layer reads) in every
+process, including SGLang's spawned scheduler and detokenizer, before anything can
+import their targets. Otherwise it does nothing. It stays light (no torch import)
+and, because a ``sitecustomize`` on ``PYTHONPATH`` hides any other one, it runs the
+next ``sitecustomize`` found further along ``sys.path``, if there is one.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ def _install_cpu_hook() -> None:
     if os.environ.get("SGLANG_USE_CPU_ENGINE", "").strip().lower() not in ("1", "true"):
         return
     import sgl_kernel_cpu_hook
+    import sglang_cpu_patches
 
-    sgl_kernel_cpu_hook.install()
+    sglang_cpu_patches.install()
+    sgl_kernel_cpu_hook.install()  # after: its finder stays first on sys.meta_path
 
 
 def _chain_next_sitecustomize() -> None:

@@ -14,7 +14,9 @@ device-copy fault.
 2. Soak: two CPU SGLang servers with the KVCR linker, ``--soak-requests``
    requests over mixed shared prefixes, some hinted at the other server.
 3. Fuzz: ``test_kvcr_fuzz.py`` under pytest with ``--fuzz-examples`` examples.
-4. TP=2: one CPU server with ``--tp 2``; replays restored from KVCR on both ranks.
+4. TP=2: one CPU server with ``--tp 2``; replays restored from KVCR on both ranks
+   (tiny Llama), then the tiny DeepSeek-V2 (MLA): only the owner rank stores
+   each page, the follower receives the restored rows.
 
 Writes a JSON report (top-level ``scenarios``, ``soak``, ``fuzz``); the last line
 printed is ``REPORT <path>``. Exits non-zero when anything failed.
@@ -39,7 +41,7 @@ from kvcr_drivers.faults.common import Scenario
 from kvcr_drivers.faults.fuzz import run_fuzz
 from kvcr_drivers.faults.soak import run_soak
 from kvcr_drivers.faults.suite import run_fast_scenarios
-from kvcr_drivers.faults.tp2 import run_tp2
+from kvcr_drivers.faults.tp2 import run_tp2, run_tp2_mla
 
 PARTS = ("scenarios", "soak", "fuzz", "tp2")
 
@@ -95,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         for row in fuzz:
             print(f"[faults]   fuzz {row}", flush=True)
     if "tp2" not in skip:
-        tp2 = phase("tp2", lambda: run_tp2(args, work))
-        print(f"[faults]   {tp2.summary()}", flush=True)
-        scenarios.append(tp2)
+        for tp2 in phase("tp2", lambda: [run_tp2(args, work), run_tp2_mla(args, work)]):
+            print(f"[faults]   {tp2.summary()}", flush=True)
+            scenarios.append(tp2)
     if "soak" not in skip:
         soak = phase("soak", lambda: run_soak(args, work))
         print(

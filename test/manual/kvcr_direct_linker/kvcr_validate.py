@@ -7,7 +7,10 @@ the replay is restored from KVCR), ``flush_clears_residency`` (after
 ``kv.fetch@1.0`` hint naming A's endpoint and the prompt's page hashes), and the
 ``no_hint_control``, ``stale_hint_control`` and ``dead_peer_control`` checks. Every
 replay is compared with the control server by greedy output ids and by served
-cached tokens (device and external). Writes a JSON report; its path is printed on
+cached tokens (device and external). On CPU with the default model it also runs
+``mla_round_trip`` and ``swa_round_trip``: a tiny seeded-weight DeepSeek-V2 (MLA)
+and Beam (FULL+SWA) linker server each evict and replay a prompt, restored from
+KVCR with the output and logprobs of a recompute. Writes a JSON report; its path is printed on
 the last line as ``REPORT <path>``. Exits non-zero when any check fails.
 
 CPU (default): the project's tiny offline model. GPU: ``--device cuda --model-path
