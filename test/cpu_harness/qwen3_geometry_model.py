@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,14 +88,50 @@ def special_ids(tok_dir: Path) -> tuple[int, int]:
     return int(vocab["<s>"]), int(vocab["</s>"])
 
 
-def is_current(path: Path, params: dict[str, Any]) -> bool:
-    marker = path / MARKER
-    if not marker.is_file() or not (path / "config.json").is_file():
+def is_current(path: Path, params: dict[str, Any], marker: str = MARKER) -> bool:
+    """Whether ``path`` is a complete directory built from ``params``."""
+    done = path / marker
+    if not done.is_file() or not (path / "config.json").is_file():
         return False
     try:
-        return json.loads(marker.read_text()).get("params") == params
+        return json.loads(done.read_text()).get("params") == params
     except ValueError:
         return False
+
+
+def write_model_dir(
+    target: Path,
+    cfg: dict[str, Any],
+    params: dict[str, Any],
+    *,
+    marker: str = MARKER,
+    fill: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write ``target`` whole or not at all: the tiny tokenizer, ``config.json``
+    (``cfg``), a greedy ``generation_config.json``, whatever ``fill`` adds (such
+    as weights), and the marker recording ``params``; built in a sibling
+    temporary directory and renamed into place."""
+    tiny = ensure_tiny_model()
+    bos, eos = special_ids(tiny)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.build-", dir=target.parent))
+    try:
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(tiny / name, tmp / name)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        gen = {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        if fill is not None:
+            fill(tmp)
+        (tmp / marker).write_text(json.dumps({"params": params}) + "\n")
+        os.chmod(tmp, 0o755)
+        if target.exists():
+            shutil.rmtree(target)
+        os.rename(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def ensure_qwen3_geometry_model(path: str | os.PathLike[str], **geometry: int) -> Path:
@@ -113,24 +150,7 @@ def ensure_qwen3_geometry_model(path: str | os.PathLike[str], **geometry: int) -
         raise ValueError(
             f"tokenizer has {tok_vocab} ids > vocab {params['vocab_size']}"
         )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.build-", dir=target.parent))
-    try:
-        for name in TOKENIZER_FILES:
-            shutil.copyfile(tiny / name, tmp / name)
-        cfg = config_dict(params, bos, eos)
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        gen = {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False}
-        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-        (tmp / MARKER).write_text(json.dumps({"params": params}) + "\n")
-        os.chmod(tmp, 0o755)
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return write_model_dir(target, config_dict(params, bos, eos), params)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,21 +23,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 try:
-    from .qwen3_geometry_model import TOKENIZER_FILES, ensure_tiny_model, special_ids
+    from .qwen3_geometry_model import (
+        ensure_tiny_model,
+        is_current,
+        special_ids,
+        write_model_dir,
+    )
 except ImportError:  # run as a script or with this directory on sys.path
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from qwen3_geometry_model import (  # type: ignore[no-redef]
-        TOKENIZER_FILES,
         ensure_tiny_model,
+        is_current,
         special_ids,
+        write_model_dir,
     )
 
 MARKER = ".tiny-family-complete"
@@ -180,16 +184,6 @@ def pool_page_bytes(cfg: dict[str, Any], page: int) -> dict[str, int]:
     }
 
 
-def is_current(path: Path, params: dict[str, Any]) -> bool:
-    marker = path / MARKER
-    if not marker.is_file() or not (path / "config.json").is_file():
-        return False
-    try:
-        return json.loads(marker.read_text()).get("params") == params
-    except ValueError:
-        return False
-
-
 def beam_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The checkpoint tensors SGLang's ``BeamForCausalLM.load_weights`` reads for a
     dense Beam config (HF-style names: it packs ``q/k/v/gate_proj`` into
@@ -274,27 +268,10 @@ def ensure_family_model(
     bos, eos = special_ids(tiny)
     cfg = config_dict(family, bos, eos)
     params = {"family": family, "weights": weights, "config": cfg}
-    if is_current(target, params):
+    if is_current(target, params, MARKER):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.build-", dir=target.parent))
-    try:
-        for name in TOKENIZER_FILES:
-            shutil.copyfile(tiny / name, tmp / name)
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        gen = {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False}
-        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-        if weights:
-            write_weights(tmp)
-        (tmp / MARKER).write_text(json.dumps({"params": params}) + "\n")
-        os.chmod(tmp, 0o755)
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    fill = write_weights if weights else None
+    return write_model_dir(target, cfg, params, marker=MARKER, fill=fill)
 
 
 def main(argv: list[str] | None = None) -> int:
