@@ -79,8 +79,7 @@ def _replay(
     sc.check(
         "replay output equals the uncached run", replay == control and bool(control)
     )
-    sc.details["prompt"] = prompt
-    return control, replay
+    return prompt, control, replay
 
 
 def _finish(
@@ -112,9 +111,9 @@ def run_tp2(args: argparse.Namespace, work: Path) -> Scenario:
     try:
         handle = _launch(args, work, ensure_tiny_model(), "tp2")
         sc.details["startup_s"] = round(handle.startup_s or 0, 1)
-        control, replay = _replay(sc, handle, random.Random(args.seed + 2))
+        prompt, control, replay = _replay(sc, handle, random.Random(args.seed + 2))
         flushed = handle.flush_cache().status_code == 200
-        after, external2, device2 = _generate(handle, sc.details.pop("prompt"))
+        after, external2, device2 = _generate(handle, prompt)
         sc.check(
             "flush empties both ranks' KVCR",
             flushed and external2 == 0 and device2 == 0,
@@ -148,8 +147,7 @@ def run_tp2_mla(args: argparse.Namespace, work: Path) -> Scenario:
         model = ensure_family_model("mla", root / "mla", weights=True)
         handle = _launch(args, work, model, "tp2_mla")
         sc.details["startup_s"] = round(handle.startup_s or 0, 1)
-        control, replay = _replay(sc, handle, random.Random(args.seed + 3))
-        sc.details.pop("prompt")
+        _, control, replay = _replay(sc, handle, random.Random(args.seed + 3))
         sc.output_matches_control = replay == control
     except Exception as exc:
         _failed(sc, exc)
