@@ -346,7 +346,7 @@ def round_trip(
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.server_args import set_global_server_args_for_scheduler
 
-    from sglang.srt.mem_cache.storage.kvcr import integration
+    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
 
     set_global_server_args_for_scheduler(stack.server_args)  # another may have run
     cache, allocator, page = stack.cache, stack.allocator, stack.page

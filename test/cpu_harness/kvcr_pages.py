@@ -13,8 +13,10 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
 from cpu_harness import kvcr_stack
-from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
-from sglang.srt.mem_cache.storage.kvcr.router_hint import page_hash_to_u64
+from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import page_hash_to_u64
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
+    LinkerRequestContext,
+)
 
 PAGE = 4
 LAYERS = 2

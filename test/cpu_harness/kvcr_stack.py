@@ -237,11 +237,11 @@ def bare_linker(
     server_args: dict[str, Any] | None = None,
     **params: Any,
 ) -> Any:
-    """A ``KVCRDirectLinker`` over ``pool`` alone (no cache, no SGLang loader):
+    """The plugin's linker over ``pool`` alone (no cache, no SGLang loader):
     stand-in server args and cache params carrying only what the linker reads."""
     from types import SimpleNamespace
 
-    from sglang.srt.mem_cache.storage.kvcr.kvcr_direct_linker import KVCRDirectLinker
+    from sglang.srt.mem_cache.storage.kvcr.builder import build_linker
 
     server_args = SimpleNamespace(
         model_path=model,
@@ -257,7 +257,7 @@ def bare_linker(
         tp_cache_group=None,
         **params,
     )
-    return KVCRDirectLinker(
+    return build_linker(
         server_args,
         cache_params,
         components=set(components),
@@ -290,7 +290,7 @@ def small_kvcr_factory(
     control on an OS-chosen port."""
     from kvcr.types import RegionDescriptor
 
-    from sglang.srt.mem_cache.storage.kvcr.kvcr_factory import make_kvcr_factory
+    from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_factory import make_kvcr_factory
 
     return make_kvcr_factory(
         agent_name=name,

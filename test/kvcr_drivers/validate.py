@@ -73,7 +73,7 @@ def page_hashes(token_ids: list[int], page: int) -> list[int]:
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    from sglang.srt.mem_cache.storage.kvcr.router_hint import page_hash_to_u64
+    from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import page_hash_to_u64
 
     usable = page_aligned(len(token_ids), page)
     hashes = get_storage_hash_str(RadixKey(token_ids[:usable]), None, page_size=page)

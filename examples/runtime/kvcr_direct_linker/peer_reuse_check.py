@@ -20,7 +20,7 @@ import requests
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-from sglang.srt.mem_cache.storage.kvcr.router_hint import page_hash_to_u64
+from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import page_hash_to_u64
 
 
 def generate(url: str, ids: list[int], **extra: object) -> dict:

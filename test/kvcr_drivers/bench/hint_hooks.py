@@ -110,7 +110,7 @@ def bench_hooks(
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
-    from sglang.srt.mem_cache.storage.kvcr import integration
+    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
 
     load_plugins()
     page = args.page_size

@@ -165,7 +165,9 @@ def offload_once(
 
 def prepare_and_lookup(linker: Any, rid: str, transfers: Any, hint: Any = None):
     """(total s, scheduler-call s, hit pages) of prepare -> ready -> lookup."""
-    from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
+    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
+        LinkerRequestContext,
+    )
 
     ctx = LinkerRequestContext(rid, 0, hint)
     t0 = time.perf_counter()

@@ -202,7 +202,7 @@ def bench_serving(
     than ``--quiet-round-busy`` of the CPUs are kept in the report but left out of the
     medians, and replaced, up to 4x the requested rounds.
     """
-    from sglang.srt.mem_cache.storage.kvcr import integration
+    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
 
     rng = random.Random(args.seed + 3)
     model = str(ensure_tiny_model())

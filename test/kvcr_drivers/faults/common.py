@@ -76,7 +76,9 @@ def make_linker(pool: Any, **overrides: Any) -> Any:
 
 
 def ctx(rid: str, hint: Any = None, attempt: int = 0) -> Any:
-    from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
+    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
+        LinkerRequestContext,
+    )
 
     return LinkerRequestContext(rid, attempt, hint)
 
@@ -163,7 +165,7 @@ class LogCapture(logging.Handler):
 
 
 def retained_count() -> int:
-    from sglang.srt.mem_cache.storage.kvcr import quarantine
+    from sglang.srt.mem_cache.storage.kvcr.owner import quarantine
 
     return len(quarantine._RETAINED)
 

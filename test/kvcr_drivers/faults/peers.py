@@ -51,8 +51,6 @@ def _child_main(conn: Any) -> None:
         import kvcr  # noqa: F401
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: F401
 
-        from sglang.srt.mem_cache.storage.kvcr import kvcr_direct_linker  # noqa: F401
-
         conn.send(("imported", os.getpid()))
         linker = None
         while True:

@@ -57,7 +57,7 @@ def run_soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    from sglang.srt.mem_cache.storage.kvcr.router_hint import page_hash_to_u64
+    from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import page_hash_to_u64
 
     page = 16
     model = ensure_tiny_model()

@@ -38,7 +38,7 @@ def linker(pool: Any, linker_options: dict[str, Any]) -> Any:
 def plugin_hooks() -> None:
     from sglang.srt.plugins import load_plugins
 
-    from sglang.srt.mem_cache.storage.kvcr import integration
+    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
 
     load_plugins()
     missing = [t for t, ok in integration.installed_hooks().items() if not ok]

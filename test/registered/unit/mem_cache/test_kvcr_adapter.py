@@ -10,12 +10,12 @@ import torch
 
 from cpu_harness import kvcr_stack
 from cpu_harness.kvcr_pages import wait_until
-from sglang.srt.mem_cache.storage.kvcr.errors import (
+from sglang.srt.mem_cache.storage.kvcr.config.errors import (
     KVCRAdapterFailed,
     KVCRUnavailableError,
 )
-from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import KVCRAdapter
-from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import (
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_adapter import KVCRAdapter
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     AdapterLimits,
     Deposit,
     EntryStatus,

@@ -32,7 +32,7 @@ from kvcr_drivers.bench.copy_prepare import bench_copy_and_prepare
 from kvcr_drivers.bench.serving import page_aligned
 from kvcr_drivers.bench.serving_micro import zero_hit_details
 from kvcr_drivers.bench.transfer import bench_transfer
-from sglang.srt.mem_cache.storage.kvcr.linker_stats import stats_line
+from sglang.srt.mem_cache.storage.kvcr.observability.linker_stats import stats_line
 
 REPO = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(REPO / "test" / "manual" / "kvcr_direct_linker"))

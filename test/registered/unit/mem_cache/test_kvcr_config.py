@@ -17,10 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from sglang.srt.mem_cache.storage.kvcr import config as cfgmod
-from sglang.srt.mem_cache.storage.kvcr import config_checks, startup_errors
-from sglang.srt.mem_cache.storage.kvcr.config import KVCRLinkerConfig
-from sglang.srt.mem_cache.storage.kvcr.errors import KVCRConfigError
+from sglang.srt.mem_cache.storage.kvcr.config import linker_config as cfgmod
+from sglang.srt.mem_cache.storage.kvcr.config import (
+    one_line_errors,
+    startup_checks,
+    value_checks,
+)
+from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRConfigError
+from sglang.srt.mem_cache.storage.kvcr.config.linker_config import (
+    KVCRLinkerConfig,
+)
 
 GOOD = {"local_dram_bytes_per_worker": 1 << 26}
 
@@ -286,7 +292,7 @@ def test_config_module_imports_nothing_heavy():
     """The config and plugin modules import neither kvcr nor nixl, and the config
     and startup-error modules only the stdlib."""
     code = (
-        "import sys; import sglang.srt.mem_cache.storage.kvcr.config; "
+        "import sys; import sglang.srt.mem_cache.storage.kvcr.config.linker_config; "
         "import sglang.srt.mem_cache.storage.kvcr.plugin; "
         "print(','.join(m for m in ('kvcr','nixl') if m in sys.modules))"
     )
@@ -298,7 +304,7 @@ def test_config_module_imports_nothing_heavy():
         check=True,
     )
     assert out.stdout.strip() == ""
-    for module in (cfgmod, config_checks, startup_errors):
+    for module in (cfgmod, value_checks, one_line_errors, startup_checks):
         tree = ast.parse(Path(module.__file__).read_text())
         imported = {
             (node.module if isinstance(node, ast.ImportFrom) else alias.name).split(

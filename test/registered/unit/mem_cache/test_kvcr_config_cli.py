@@ -33,13 +33,13 @@ from cpu_harness.server import (
     server_env,
 )
 from cpu_harness.tiny_model import ensure_tiny_model
-from sglang.srt.mem_cache.storage.kvcr import startup_errors
-from sglang.srt.mem_cache.storage.kvcr.config import KVCRLinkerConfig
-from sglang.srt.mem_cache.storage.kvcr.errors import (
+from sglang.srt.mem_cache.storage.kvcr.config.errors import (
     KVCRAdapterFailed,
     KVCRConfigError,
     KVCRUnavailableError,
 )
+from sglang.srt.mem_cache.storage.kvcr.config import one_line_errors
+from sglang.srt.mem_cache.storage.kvcr.config.linker_config import KVCRLinkerConfig
 
 pytestmark = pytest.mark.server
 
@@ -147,8 +147,8 @@ def _around_create_linker(exc: Exception) -> None:
 def _scheduler_logs_failure(exc: Exception, building: bool = True) -> None:
     """What SGLang's ``run_scheduler_process`` does with a failed start (or, not
     ``building``, with a linker error raised while serving)."""
-    assert _around_create_linker.__name__ == startup_errors.BUILD_FRAME
-    scheduler_logger = logging.getLogger(startup_errors.SCHEDULER_LOGGER)
+    assert _around_create_linker.__name__ == one_line_errors.BUILD_FRAME
+    scheduler_logger = logging.getLogger(one_line_errors.SCHEDULER_LOGGER)
     try:
         if building:
             _around_create_linker(exc)
@@ -160,12 +160,12 @@ def _scheduler_logs_failure(exc: Exception, building: bool = True) -> None:
 def test_the_filter_turns_a_setup_error_traceback_into_one_line(caplog):
     """A KVCR setup error's traceback record becomes one ERROR line (message and
     fix) and the traceback goes to DEBUG; other failures keep their traceback."""
-    startup_errors.install_scheduler_filter()
-    startup_errors.install_scheduler_filter()
-    scheduler_logger = logging.getLogger(startup_errors.SCHEDULER_LOGGER)
+    one_line_errors.install_scheduler_filter()
+    one_line_errors.install_scheduler_filter()
+    scheduler_logger = logging.getLogger(one_line_errors.SCHEDULER_LOGGER)
     assert (
         sum(
-            isinstance(f, startup_errors.OneLineStartupFailure)
+            isinstance(f, one_line_errors.OneLineStartupFailure)
             for f in scheduler_logger.filters
         )
         == 1
@@ -181,7 +181,7 @@ def test_the_filter_turns_a_setup_error_traceback_into_one_line(caplog):
         "(traceback at --log-level debug)"
     ]
     # Rewritten in place: the scheduler's own handlers still get it.
-    assert errors[0].name == startup_errors.SCHEDULER_LOGGER
+    assert errors[0].name == one_line_errors.SCHEDULER_LOGGER
     assert errors[0].exc_info is None
     debug = [r for r in caplog.records if r.levelno == logging.DEBUG]
     assert [r.exc_info[1] for r in debug if r.exc_info] == [taken]
@@ -196,5 +196,5 @@ def test_the_filter_turns_a_setup_error_traceback_into_one_line(caplog):
         caplog.clear()
         _scheduler_logs_failure(other, building)
         (record,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
-        assert record.name == startup_errors.SCHEDULER_LOGGER
+        assert record.name == one_line_errors.SCHEDULER_LOGGER
         assert "Traceback (most recent call last)" in record.getMessage()

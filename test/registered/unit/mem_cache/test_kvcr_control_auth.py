@@ -21,12 +21,14 @@ from cpu_harness.kvcr_pages import (
     offload_and_commit,
     wait_until,
 )
-from sglang.srt.mem_cache.storage.kvcr.config import KVCRLinkerConfig
-from sglang.srt.mem_cache.storage.kvcr.control_auth import InboundGuard
-from sglang.srt.mem_cache.storage.kvcr.errors import KVCRConfigError
-from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
+from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRConfigError
+from sglang.srt.mem_cache.storage.kvcr.config.linker_config import KVCRLinkerConfig
+from sglang.srt.mem_cache.storage.kvcr.fleet.control_auth import InboundGuard
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
+    LinkerRequestContext,
+)
 
-AUTH_LOGGER = "sglang.srt.mem_cache.storage.kvcr.control_auth"
+AUTH_LOGGER = "sglang.srt.mem_cache.storage.kvcr.fleet.control_auth"
 # Short timeouts: a refused peer's fetch must end (as a miss) quickly.
 FAST = {
     "local_dram_bytes_per_worker": 16 * PAGE_BYTES,
@@ -179,7 +181,7 @@ def test_a_hanging_resolver_makes_the_name_unresolvable_within_a_deadline(
     import threading
     import time
 
-    from sglang.srt.mem_cache.storage.kvcr import control_auth
+    from sglang.srt.mem_cache.storage.kvcr.fleet import control_auth
 
     release = threading.Event()
     real = control_auth.socket.getaddrinfo

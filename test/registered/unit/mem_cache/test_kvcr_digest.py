@@ -25,12 +25,13 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 from cpu_harness import kvcr_stack, tiny_model
-from sglang.srt.mem_cache.storage.kvcr import integration, model_identity
-from sglang.srt.mem_cache.storage.kvcr.kvcr_direct_linker import (
-    kvcache_layout_identity,
+from sglang.srt.mem_cache.storage.kvcr.layout import model_identity
+from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import PageLayout
+from sglang.srt.mem_cache.storage.kvcr.rank_setup import kvcache_layout_identity
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
+    LinkerRequestContext,
 )
-from sglang.srt.mem_cache.storage.kvcr.kvcr_layout import PageLayout
-from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
 
 pytestmark = [pytest.mark.kvcr, pytest.mark.usefixtures("plugin_hooks")]
 
@@ -543,7 +544,7 @@ def test_a_change_anywhere_in_a_weight_file_changes_its_fingerprint(tmp_path):
     """Every byte counts (a sampled hash missed a change between its samples):
     one changed KiB deep inside a file gives another fingerprint; a copy of the
     file elsewhere gives the same one."""
-    from sglang.srt.mem_cache.storage.kvcr import model_identity
+    from sglang.srt.mem_cache.storage.kvcr.layout import model_identity
 
     data = bytearray(os.urandom(3 << 20))
     a, b, c = (

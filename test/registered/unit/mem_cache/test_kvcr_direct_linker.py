@@ -24,9 +24,11 @@ from cpu_harness.kvcr_pages import (
     wait_until,
 )
 from cpu_harness.kvcr_pages import fill_random as fill_pages
-from sglang.srt.mem_cache.storage.kvcr.errors import KVCRConfigError
-from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
-from sglang.srt.mem_cache.storage.kvcr.preparation import FetchOwner
+from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRConfigError
+from sglang.srt.mem_cache.storage.kvcr.requests.preparation import FetchOwner
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
+    LinkerRequestContext,
+)
 
 pytestmark = pytest.mark.kvcr
 
@@ -58,7 +60,7 @@ def test_gpu_restore_branch_gathers_byte_exact_on_cpu(pool, linker):
     """The GPU restore branch (slot-run spans through a scratch buffer, scattered
     into the pool rows), driven through the linker with its CPU variant: bytes
     land exactly."""
-    from sglang.srt.mem_cache.storage.kvcr.restore_copy import SpanRestore
+    from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import SpanRestore
 
     linker.restorer.span_restore = span = SpanRestore(torch.device("cpu"))
     fill_pages(pool, [1, 2, 3], seed=31)
@@ -136,7 +138,9 @@ def test_hinted_peer_pages_are_fetched_and_hint_alone_never_hits():
         fill_pages(pool_a, [1, 2], seed=5)
         hashes = page_hashes(4, "peer")
         assert offload_and_commit(a, hashes[:2], [1, 2]) is True
-        from sglang.srt.mem_cache.storage.kvcr.router_hint import page_hash_to_u64
+        from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import (
+            page_hash_to_u64,
+        )
 
         hint = {
             "protocol_version": "1.0",
@@ -208,7 +212,7 @@ def test_offload_results_stay_positional_when_refused(pool):
 
 def test_split_offload_has_one_fifo_result_and_restores_every_page(pool, monkeypatch):
     """A large offload goes to KVCR as two deposits but stays one FIFO result."""
-    from sglang.srt.mem_cache.storage.kvcr import offload_queue
+    from sglang.srt.mem_cache.storage.kvcr.datapath import offload_queue
 
     monkeypatch.setattr(offload_queue, "SPLIT_DEPOSIT_BYTES", 0)
     lk = make_linker(pool)
@@ -232,7 +236,7 @@ def test_split_offload_is_admitted_or_refused_as_a_whole(pool, monkeypatch):
     """The deposits of one split offload share one budget charge: refused together
     while other work is in flight (no half lands in KVCR), admitted together when
     alone even above the budget."""
-    from sglang.srt.mem_cache.storage.kvcr import offload_queue
+    from sglang.srt.mem_cache.storage.kvcr.datapath import offload_queue
 
     monkeypatch.setattr(offload_queue, "SPLIT_DEPOSIT_BYTES", 0)
     page_total = LAYERS * 2 * PAGE * HEADS * DIM * 2
@@ -543,7 +547,9 @@ def test_unquiescent_core_at_reset_keeps_its_dram_quarantined(pool, linker):
 )
 def test_unsupported_parallel_layouts_are_refused_naming_the_flag(pool, field, flag):
     """PP > 1 and token-splitting context parallelism fail at startup, flag named."""
-    from sglang.srt.mem_cache.storage.kvcr.plugin import refuse_unsupported_topology
+    from sglang.srt.mem_cache.storage.kvcr.config.startup_checks import (
+        refuse_unsupported_topology,
+    )
 
     with pytest.raises(KVCRConfigError, match=flag):
         refuse_unsupported_topology(SimpleNamespace(**{field: 2}))
@@ -556,9 +562,10 @@ def test_a_start_up_failure_gives_back_what_it_took(where, monkeypatch):
     KVCR starts; starting the restorer, after) reaches the caller unchanged and
     leaves nothing behind: the DRAM share is unlocked, a started KVCR is closed,
     and no thread of the linker outlives the constructor."""
-    from sglang.srt.mem_cache.storage.kvcr import kvcr_direct_linker, linker_metrics
-    from sglang.srt.mem_cache.storage.kvcr.host_memory import HostMemory
-    from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import KVCRAdapter
+    from sglang.srt.mem_cache.storage.kvcr import kvcr_direct_linker
+    from sglang.srt.mem_cache.storage.kvcr.device.host_memory import HostMemory
+    from sglang.srt.mem_cache.storage.kvcr.observability import linker_metrics
+    from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_adapter import KVCRAdapter
 
     calls = []
 
@@ -586,3 +593,25 @@ def test_a_start_up_failure_gives_back_what_it_took(where, monkeypatch):
         lambda: not [t for t in threading.enumerate() if t not in before],
         what="the linker's threads stopped",
     )
+
+
+def test_the_dynamic_loader_without_the_plugin_gets_one_clear_error():
+    """SGLang's dynamic loader calls the class with its own arguments when the
+    plugin's linker hook did not run (SGLANG_PLUGINS leaving kvcr out): the
+    error names the plugin, the variable and the flag instead of a TypeError."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRUnavailableError
+    from sglang.srt.mem_cache.storage.kvcr.kvcr_direct_linker import KVCRDirectLinker
+
+    with pytest.raises(KVCRUnavailableError) as err:
+        KVCRDirectLinker(
+            SimpleNamespace(),
+            SimpleNamespace(page_size=16),
+            components={0},
+            extra_config={"local_dram_bytes_per_worker": 1 << 20},
+            forward_stream=None,
+        )
+    message = str(err.value)
+    assert "SGLANG_PLUGINS" in message and "builder.build_linker" in message
+    assert "--unified-cache-external-linker-backend kvcr" in message

@@ -19,11 +19,11 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
 from cpu_harness import kvcr_families, kvcr_stack
 from cpu_harness.kvcr_dsv4 import DSV4_VARIANTS, per_request_pool
-from sglang.srt.mem_cache.storage.kvcr import pool_group_layout
-from sglang.srt.mem_cache.storage.kvcr.kvcr_layout import (
+from sglang.srt.mem_cache.storage.kvcr.layout import pool_group_layout
+from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import PageLayout
+from sglang.srt.mem_cache.storage.kvcr.layout.pool_layout import (
     KVCRLayoutError,
     ModelIdentity,
-    PageLayout,
 )
 
 pytestmark = pytest.mark.kvcr
@@ -38,7 +38,7 @@ def test_every_deepseek_v4_pool_layout_round_trips_byte_exact(
     rows and an MTP layer's SWA: every compressed KV, indexer, SWA and compress
     state row of the restored prefix lands as written. DeepSeek V4 is
     rank-replicated but windowed, so every rank stores its own pages."""
-    from sglang.srt.mem_cache.storage.kvcr.replica_broadcast import stores_once
+    from sglang.srt.mem_cache.storage.kvcr.datapath.replica_broadcast import stores_once
 
     stack = kvcr_families.build("DeepSeek V4", variant)
     try:

@@ -19,9 +19,12 @@ from sglang.srt.mem_cache.events import KVCacheEventRecorder, KvEventLoraNames
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-from sglang.srt.mem_cache.storage.kvcr.event_hashes import published_aliases
-from sglang.srt.mem_cache.storage.kvcr.router_hint import FetchHint, page_hash_to_u64
-from sglang.srt.mem_cache.storage.kvcr.router_hint import hinted_pages as _hinted_pages
+from sglang.srt.mem_cache.storage.kvcr.fleet.event_hashes import published_aliases
+from sglang.srt.mem_cache.storage.kvcr.fleet.router_hint import FetchHint
+from sglang.srt.mem_cache.storage.kvcr.fleet.router_hint import (
+    hinted_pages as _hinted_pages,
+)
+from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import page_hash_to_u64
 
 PAGE = 4
 HEAD_PAGES, TAIL_PAGES = 2, 3

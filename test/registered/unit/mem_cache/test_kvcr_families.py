@@ -29,14 +29,16 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
 from cpu_harness import kvcr_dsv4, kvcr_families, kvcr_stack
 from cpu_harness.kvcr_pages import wait_until
-from sglang.srt.mem_cache.storage.kvcr import pool_group_layout
-from sglang.srt.mem_cache.storage.kvcr.kvcr_layout import (
+from sglang.srt.mem_cache.storage.kvcr.layout import pool_group_layout
+from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import PageLayout
+from sglang.srt.mem_cache.storage.kvcr.layout.pool_group_layout import FAMILIES
+from sglang.srt.mem_cache.storage.kvcr.layout.pool_layout import (
     KVCRLayoutError,
     ModelIdentity,
-    PageLayout,
 )
-from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
-from sglang.srt.mem_cache.storage.kvcr.pool_group_layout import FAMILIES
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
+    LinkerRequestContext,
+)
 
 pytestmark = pytest.mark.kvcr
 

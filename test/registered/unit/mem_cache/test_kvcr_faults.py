@@ -163,7 +163,7 @@ def test_control_port_chosen_by_the_os_is_never_released_before_use():
 
     from kvcr.control_channels import ZmqPeerControlChannel
 
-    from sglang.srt.mem_cache.storage.kvcr import kvcr_factory
+    from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_factory
 
     channel = kvcr_factory._channel_on_own_port(
         ZmqPeerControlChannel, "127.0.0.1", "127.0.0.1"

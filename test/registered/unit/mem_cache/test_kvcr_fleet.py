@@ -34,14 +34,14 @@ from cpu_harness.kvcr_pages import (
     wait_until,
     wrong_bytes,
 )
-from sglang.srt.mem_cache.storage.kvcr import integration
-from sglang.srt.mem_cache.storage.kvcr import restore as restore_mod
-from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import InventoryChange
-from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
+from sglang.srt.mem_cache.storage.kvcr.datapath import restore as restore_mod
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import InventoryChange
+from sglang.srt.mem_cache.storage.kvcr.owner.quarantine import RetainedCore
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
     LinkerRequestContext,
     PreparationHandle,
 )
-from sglang.srt.mem_cache.storage.kvcr.quarantine import RetainedCore
 
 pytestmark = pytest.mark.kvcr
 
@@ -240,7 +240,7 @@ def test_a_burst_of_resident_arrivals_all_restore_within_a_small_budget(pool):
 def test_a_hint_whose_fetch_was_refused_rides_on_the_requests_next_fetch(pool):
     """The hint is attached to one fetch; when the budget refuses that fetch the
     adapter keeps the hint and the request's next admitted fetch carries it."""
-    from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import DiscardHint, Fetch
+    from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import DiscardHint, Fetch
 
     lk = make_linker(pool, max_inflight_prepare_bytes=PAGE_BYTES)
     adapter = lk._adapter
@@ -454,10 +454,10 @@ def test_past_the_quarantine_bound_the_linker_stops_instead_of_growing(pool):
 
 
 def kvcr_layout_pages(lk) -> int:
-    from sglang.srt.mem_cache.storage.kvcr import kvcr_layout
+    from sglang.srt.mem_cache.storage.kvcr.layout import page_layout
 
     budget = lk.config.local_dram_bytes_per_worker
-    return kvcr_layout.plan_capacity(lk.layout, budget, 1).pages
+    return page_layout.plan_capacity(lk.layout, budget, 1).pages
 
 
 def test_zero_quarantined_cores_stops_peer_fetches_for_good(pool):
@@ -511,10 +511,11 @@ def test_a_second_load_for_one_request_releases_the_first_ones_claims(linker, po
 def test_hints_are_ignored_when_attention_ranks_span_nodes(pool, monkeypatch):
     """A hint names one host; rank r on another node would dial rank 0's host.
     With --nnodes 2 hints are ignored and counted."""
-    from sglang.srt.mem_cache.storage.kvcr import linker_setup
 
     # Rank 0 of a two-rank attention group (no process group in this test).
-    monkeypatch.setattr(linker_setup, "attn_rank", lambda params: (0, 2))
+    from sglang.srt.mem_cache.storage.kvcr import rank_setup
+
+    monkeypatch.setattr(rank_setup, "attn_rank", lambda params: (0, 2))
     lk = kvcr_stack_linker(pool, server_args={"nnodes": 2})
     try:
         assert lk.placement.multi_node
@@ -539,13 +540,13 @@ def kvcr_stack_linker(pool, **kw):
 
 def test_a_hint_naming_this_worker_in_another_spelling_is_still_local():
     """Host case and address spelling do not make this worker a NIXL peer."""
-    from sglang.srt.mem_cache.storage.kvcr.linker_stats import LinkerStats
-    from sglang.srt.mem_cache.storage.kvcr.router_hint import (
+    from sglang.srt.mem_cache.storage.kvcr.fleet.router_hint import (
         EndpointAllowlist,
         RouterHintParser,
         own_endpoints,
         request_hint,
     )
+    from sglang.srt.mem_cache.storage.kvcr.observability.linker_stats import LinkerStats
 
     names = own_endpoints("tcp://Worker-1.Example:47000", ("0.0.0.0", "10.0.0.5"))
     assert names == {"tcp://worker-1.example:47000", "tcp://10.0.0.5:47000"}
@@ -566,7 +567,7 @@ def test_a_hint_naming_this_worker_in_another_spelling_is_still_local():
 def test_staged_offload_events_follow_the_page_number_kernels(linker, pool):
     """The ready events a staged copy waits on are recorded after the device
     page numbers are computed (else its stream could read them unwritten)."""
-    from sglang.srt.mem_cache.storage.kvcr import offloader as offloader_mod
+    from sglang.srt.mem_cache.storage.kvcr.datapath import offloader as offloader_mod
 
     order: list[str] = []
     real = offloader_mod.page_numbers

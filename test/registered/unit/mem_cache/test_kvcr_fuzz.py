@@ -31,13 +31,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sglang.srt.mem_cache.storage.kvcr.config import (
+from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRConfigError
+from sglang.srt.mem_cache.storage.kvcr.config.linker_config import (
     FLAG,
     KVCRLinkerConfig,
     field_docs,
 )
-from sglang.srt.mem_cache.storage.kvcr.errors import KVCRConfigError
-from sglang.srt.mem_cache.storage.kvcr.router_hint import (
+from sglang.srt.mem_cache.storage.kvcr.fleet.router_hint import (
     EndpointAllowlist,
     FetchHint,
     HintRejection,
@@ -90,7 +90,9 @@ class Counter:
 @pytest.fixture(scope="module", autouse=True)
 def quiet_hint_warnings():
     """Every fresh parser warns once per reason; at 10,000 examples that is noise."""
-    hint_logger = logging.getLogger("sglang.srt.mem_cache.storage.kvcr.router_hint")
+    hint_logger = logging.getLogger(
+        "sglang.srt.mem_cache.storage.kvcr.fleet.router_hint"
+    )
     level = hint_logger.level
     hint_logger.setLevel(logging.ERROR)
     yield

@@ -36,10 +36,11 @@ from cpu_harness.kvcr_pages import (
     wait_until,
     wrong_bytes,
 )
-from sglang.srt.mem_cache.storage.kvcr import host_memory
-from sglang.srt.mem_cache.storage.kvcr.device_streams import DeviceBinding
-from sglang.srt.mem_cache.storage.kvcr.offload_staging import StageJob
-from sglang.srt.mem_cache.storage.kvcr.restore_copy import SpanRestore
+from sglang.srt.mem_cache.storage.kvcr.datapath.offload_staging import StageJob
+from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import SpanRestore
+from sglang.srt.mem_cache.storage.kvcr import rank_setup
+from sglang.srt.mem_cache.storage.kvcr.device import host_memory
+from sglang.srt.mem_cache.storage.kvcr.device.device_streams import DeviceBinding
 
 pytestmark = pytest.mark.kvcr
 
@@ -274,7 +275,7 @@ def test_stager_binds_the_pools_device_and_drains_before_depositing(monkeypatch)
     it, orders its stream after the offload-ready events, and submits the deposit
     only after draining the stream (a deposit must never read slots whose copy is
     still in flight)."""
-    from sglang.srt.mem_cache.storage.kvcr.offload_staging import HostStaging
+    from sglang.srt.mem_cache.storage.kvcr.datapath.offload_staging import HostStaging
 
     rec = _Recorder()
     rec.install(monkeypatch)
@@ -540,8 +541,8 @@ def test_linker_pins_exactly_its_dram_share_and_staging(monkeypatch):
     )
     monkeypatch.setattr(host_memory, "_cuda_unregister", lambda p: locked.pop(p))
     real = host_memory.HostMemory
-    # linker_setup builds the rank's memory with a pinning HostMemory.
-    monkeypatch.setattr(host_memory, "HostMemory", lambda pin: real(pin=True))
+    # rank_setup builds the rank's memory with a pinning HostMemory.
+    monkeypatch.setattr(rank_setup, "HostMemory", lambda pin: real(pin=True))
     pool = make_pool("cpu")
     share = 37 * PAGE_BYTES + 123  # not a power of two, not whole pages
     inflight = 5 * PAGE_BYTES

@@ -28,9 +28,11 @@ import pytest
 import torch
 
 from cpu_harness import kvcr_stack
-from sglang.srt.mem_cache.storage.kvcr import integration
-from sglang.srt.mem_cache.storage.kvcr.errors import KVCRUnavailableError
-from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
+from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRUnavailableError
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration, stored_marks
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
+    LinkerRequestContext,
+)
 
 pytestmark = [pytest.mark.kvcr, pytest.mark.usefixtures("plugin_hooks")]
 
@@ -490,7 +492,7 @@ def test_admission_wait_counts_a_held_request_once_and_nothing_else(make_stack):
 
 def test_admission_records_are_bounded_and_cleared_by_reset(make_stack, monkeypatch):
     """Held requests that never come back age out past the bound; reset forgets all."""
-    from sglang.srt.mem_cache.storage.kvcr import preparation
+    from sglang.srt.mem_cache.storage.kvcr.requests import preparation
 
     linker = make_stack().linker
     monkeypatch.setattr(preparation, "_MAX_HELD_TRACKED", 2)
@@ -771,7 +773,7 @@ def test_flush_clears_the_stored_page_index_and_kvcr_residency(make_stack):
     stack = make_stack()
     tokens = list(range(500, 500 + 2 * PAGE))
     insert_and_commit(stack, tokens, seed=3)
-    assert stack.linker.stored_pages.by_hash
+    assert stored_marks.stored_pages(stack.linker).by_hash
     stack.cache.reset()
-    assert stack.linker.stored_pages.by_hash == {}
+    assert stored_marks.stored_pages(stack.linker).by_hash == {}
     assert stack.linker.stats_line().count("resident_keys=0") == 1

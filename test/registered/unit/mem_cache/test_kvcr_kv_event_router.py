@@ -33,7 +33,7 @@ from sglang.srt.managers.kv_hints import decode_kv_hints_envelope
 from cpu_harness import kvcr_servers as kvs
 from cpu_harness import server as harness
 from cpu_harness import tiny_model
-from sglang.srt.mem_cache.storage.kvcr.router_hint import (
+from sglang.srt.mem_cache.storage.kvcr.fleet.router_hint import (
     EndpointAllowlist,
     FetchHint,
     RouterHintParser,

@@ -19,17 +19,19 @@ from sglang.srt.mem_cache.memory_pool import (
 )
 from sglang.srt.mem_cache.utils import hash_str_to_int64
 
-from sglang.srt.mem_cache.storage.kvcr.errors import KVCRConfigError
-from sglang.srt.mem_cache.storage.kvcr.kvcr_layout import (
+from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRConfigError
+from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import (
     KEY_TAG,
     NO_MATCH_HASH,
     KeyAdapter,
+    PageLayout,
+    plan_capacity,
+)
+from sglang.srt.mem_cache.storage.kvcr.layout.pool_layout import (
     KVCRLayoutError,
     ModelIdentity,
-    PageLayout,
     PoolLayout,
     Span,
-    plan_capacity,
 )
 
 IDENTITY = ModelIdentity("org/model", "rev-a", "", 0, 2)
@@ -566,7 +568,7 @@ def test_real_kvcr_deposits_fetches_and_delivers_pages_byte_exact(
 def test_importing_the_layout_module_does_not_import_kvcr():
     """kvcr (and NIXL) load only when kvcr objects are built, not at import."""
     code = (
-        "import sys, sglang.srt.mem_cache.storage.kvcr.kvcr_layout\n"
+        "import sys, sglang.srt.mem_cache.storage.kvcr.layout.page_layout\n"
         "assert not [m for m in sys.modules if m.split('.')[0] in ('kvcr', 'nixl')]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

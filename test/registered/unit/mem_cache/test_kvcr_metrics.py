@@ -32,9 +32,9 @@ from cpu_harness.kvcr_pages import (
     prepare,
 )
 from cpu_harness.server import server_env
-from sglang.srt.mem_cache.storage.kvcr import linker_metrics, linker_stats
-from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import AdapterStats
-from sglang.srt.mem_cache.storage.kvcr.router_hint import HintStats
+from sglang.srt.mem_cache.storage.kvcr.fleet.router_hint import HintStats
+from sglang.srt.mem_cache.storage.kvcr.observability import linker_metrics, linker_stats
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import AdapterStats
 
 pytestmark = pytest.mark.kvcr
 
@@ -101,7 +101,7 @@ def test_each_series_moves_by_what_the_snapshot_moved():
 
 
 def _snapshot(adapter: AdapterStats, hints: HintStats) -> dict:
-    gauges = linker_stats.Gauges(False, 0, 0, 0, 0, 0, 0)
+    gauges = linker_stats.Gauges()
     return linker_stats.snapshot(
         linker_stats.LinkerStats(), gauges, adapter, hints.as_dict()
     )
@@ -181,7 +181,7 @@ def test_without_enable_metrics_nothing_is_imported_or_registered():
         assert offload_and_commit(lk, hashes_for(1, "off"), [1], "cpu") is True
         lk.report.tick(force=True)
         lk.close()
-        from sglang.srt.mem_cache.storage.kvcr import linker_metrics
+        from sglang.srt.mem_cache.storage.kvcr.observability import linker_metrics
         print("METRICS", type(lk.report.metrics).__name__, lk.stats.samples.kept)
         print("IMPORTED", "prometheus_client" in sys.modules)
         import prometheus_client

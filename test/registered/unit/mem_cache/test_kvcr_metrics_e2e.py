@@ -42,7 +42,7 @@ def page_bytes() -> int:
     import torch
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    from sglang.srt.mem_cache.storage.kvcr import kvcr_layout
+    from sglang.srt.mem_cache.storage.kvcr.layout import page_layout, pool_layout
 
     head_dim = tiny_model.HIDDEN // tiny_model.HEADS
     pool = MHATokenToKVPool(
@@ -55,8 +55,8 @@ def page_bytes() -> int:
         device="cpu",
         enable_memory_saver=False,
     )
-    identity = kvcr_layout.ModelIdentity("m", "", "d", tp_rank=0, tp_size=1)
-    layout = kvcr_layout.PageLayout.from_kv_pool(pool, PAGE, identity=identity)
+    identity = pool_layout.ModelIdentity("m", "", "d", tp_rank=0, tp_size=1)
+    layout = page_layout.PageLayout.from_kv_pool(pool, PAGE, identity=identity)
     geometry = tiny_model.LAYERS * 2 * PAGE * tiny_model.KV_HEADS * head_dim * 2
     assert layout.page_total == geometry
     return layout.page_total

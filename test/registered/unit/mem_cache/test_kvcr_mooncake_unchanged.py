@@ -245,7 +245,8 @@ def _resolve(target: str) -> tuple[Any, str]:
 
 
 def plugin_targets() -> list[str]:
-    from sglang.srt.mem_cache.storage.kvcr import integration, plugin
+    from sglang.srt.mem_cache.storage.kvcr import plugin
+    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
 
     return [plugin.CREATE_LINKER_TARGET, *integration.TARGETS, integration._PD_PREFILL]
 
@@ -428,7 +429,7 @@ def test_factory_builds_the_stock_mooncake_linker_over_the_fake_store():
         MooncakeDirectLinker,
     )
 
-    from sglang.srt.mem_cache.storage.kvcr.linker_hooks import HOOK_NAMES
+    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import HOOK_NAMES
 
     FakeMooncakeStore.instances.clear()
     env = build_hybrid_cache("rust")
@@ -493,7 +494,7 @@ def mooncake_env() -> Iterator[SimpleNamespace]:
 
 
 def test_enqueue_hook_does_no_device_match_and_no_prepare(mooncake_env):
-    from sglang.srt.mem_cache.storage.kvcr import integration
+    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
 
     cache = mooncake_env.cache
     req = make_req("enqueued", list(range(10, 18)))
@@ -512,7 +513,7 @@ def test_enqueue_hook_does_no_device_match_and_no_prepare(mooncake_env):
 
 
 def test_prefill_gate_passes_the_queue_through_without_a_collective(mooncake_env):
-    from sglang.srt.mem_cache.storage.kvcr import integration
+    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
 
     cache = mooncake_env.cache
     reqs = [make_req(f"w{i}") for i in range(3)]
@@ -544,7 +545,7 @@ def test_prefill_gate_passes_the_queue_through_without_a_collective(mooncake_env
 
 
 def test_release_and_event_hooks_add_nothing_for_mooncake(mooncake_env):
-    from sglang.srt.mem_cache.storage.kvcr import integration
+    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
 
     cache, wrapper = mooncake_env.cache, mooncake_env.cache.linker
     req = make_req("done")
@@ -573,7 +574,7 @@ def test_release_and_event_hooks_add_nothing_for_mooncake(mooncake_env):
 
 def test_init_cache_linker_hook_demands_nothing_of_a_mooncake_cache(mooncake_env):
     """No hook check and no Python tree core required; no KVCR state attached."""
-    from sglang.srt.mem_cache.storage.kvcr import integration
+    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
 
     cache = mooncake_env.cache
     assert type(cache.tree_core).__name__ == "RustUnifiedTreeCore"

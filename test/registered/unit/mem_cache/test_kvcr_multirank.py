@@ -126,7 +126,7 @@ def _removal_scenario(rank: int, cache: Any) -> dict[str, Any]:
 
     import torch.distributed as dist
 
-    from sglang.srt.mem_cache.storage.kvcr import stored_marks
+    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import stored_marks
 
     real_gather = dist.all_gather_object
     gathers: list[int] = []
@@ -166,7 +166,7 @@ class _Scheduler:
 def _readiness_scenario(rank: int, cache: Any) -> dict[str, Any]:
     from unittest import mock
 
-    from sglang.srt.mem_cache.storage.kvcr import integration
+    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
 
     linker = cache.linker.cache_linker
     reqs = [_Req(rid) for rid in ("r0", NOT_READY_RID, "r2")]
@@ -211,7 +211,9 @@ def _readiness_scenario(rank: int, cache: Any) -> dict[str, Any]:
 
 
 def _handle_of(req: Any) -> Any:
-    from sglang.srt.mem_cache.storage.kvcr.linker_hooks import PreparationHandle
+    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
+        PreparationHandle,
+    )
 
     return PreparationHandle(req.rid, req.cache_request_handle.attempt_id)
 

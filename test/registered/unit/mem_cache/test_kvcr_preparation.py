@@ -12,8 +12,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from sglang.srt.mem_cache.storage.kvcr.fetch_plan import PoolFetch
-from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import (
+from sglang.srt.mem_cache.storage.kvcr.datapath.offload_queue import (
+    OffloadOutcome,
+    OffloadQueue,
+)
+from sglang.srt.mem_cache.storage.kvcr.observability.linker_stats import LinkerStats
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     DiscardHint,
     EntryResult,
     EntryStatus,
@@ -22,16 +26,15 @@ from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import (
     OpKind,
     Release,
 )
-from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
+from sglang.srt.mem_cache.storage.kvcr.requests.fetch_plan import PoolFetch
+from sglang.srt.mem_cache.storage.kvcr.requests.preparation import (
+    Preparations,
+    PrepState,
+)
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
     LinkerRequestContext,
     PreparationHandle,
 )
-from sglang.srt.mem_cache.storage.kvcr.linker_stats import LinkerStats
-from sglang.srt.mem_cache.storage.kvcr.offload_queue import (
-    OffloadOutcome,
-    OffloadQueue,
-)
-from sglang.srt.mem_cache.storage.kvcr.preparation import Preparations, PrepState
 
 PAGES = ["p0", "p1", "p2"]
 

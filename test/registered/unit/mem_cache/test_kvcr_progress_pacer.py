@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang.srt.mem_cache.storage.kvcr import kvcr_patches as progress_pacer
+from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_patches as progress_pacer
 
 
 def _loop_state(**kw):

@@ -20,15 +20,13 @@ import pytest
 from cpu_harness import kvcr_stack
 from cpu_harness import server as harness
 from cpu_harness.kvcr_pages import PAGE, fetch_hint, make_pool
-from sglang.srt.mem_cache.storage.kvcr import kvcr_layout, rank_placement
-from sglang.srt.mem_cache.storage.kvcr.errors import (
-    KVCRConfigError,
-)
-from sglang.srt.mem_cache.storage.kvcr.rank_placement import placement_of
-from sglang.srt.mem_cache.storage.kvcr.router_hint import (
+from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRConfigError
+from sglang.srt.mem_cache.storage.kvcr.fleet.router_hint import (
     EndpointAllowlist,
     RouterHintParser,
 )
+from sglang.srt.mem_cache.storage.kvcr.layout import page_layout, rank_placement
+from sglang.srt.mem_cache.storage.kvcr.layout.rank_placement import placement_of
 
 BASE = 41000
 
@@ -161,7 +159,7 @@ def test_a_linker_of_the_second_replica_binds_its_own_port_and_half_the_dram(
         assert single.endpoint.rsplit(":", 1)[1] == str(ports[0])
         assert second.endpoint.rsplit(":", 1)[1] == str(ports[1])
         pages = [
-            kvcr_layout.plan_capacity(single.layout, budget, ranks).pages
+            page_layout.plan_capacity(single.layout, budget, ranks).pages
             for ranks in (1, 2)
         ]
         assert pages[1] < pages[0]

@@ -137,7 +137,7 @@ def _build(group: Any) -> dict[str, Any]:
 
 
 def _dram_share(layout: Any, ranks: int) -> int:
-    from sglang.srt.mem_cache.storage.kvcr.kvcr_layout import plan_capacity
+    from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import plan_capacity
 
     plan = plan_capacity(layout, DRAM, ranks)
     return sum(p.bytes for p in plan.pools)
@@ -182,7 +182,7 @@ def _round_trip(
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    from sglang.srt.mem_cache.storage.kvcr import integration
+    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
 
     cache, kvcache, allocator = stack["cache"], stack["kvcache"], stack["allocator"]
     linker = cache.linker.cache_linker
@@ -281,8 +281,10 @@ def _peer_restore(stack: dict[str, Any], first: dict[str, Any]) -> dict[str, Any
 
     from cpu_harness.kvcr_pages import fetch_hint, kv_transfer, wait_until
     from cpu_harness.kvcr_stack import PoolAllocator
-    from sglang.srt.mem_cache.storage.kvcr.kvcr_direct_linker import KVCRDirectLinker
-    from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
+    from sglang.srt.mem_cache.storage.kvcr.builder import build_linker
+    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
+        LinkerRequestContext,
+    )
 
     owner = stack["cache"].linker.cache_linker
     pool = MLATokenToKVPool(
@@ -294,7 +296,7 @@ def _peer_restore(stack: dict[str, Any], first: dict[str, Any]) -> dict[str, Any
         attn_tp_cache_group=None,
         tp_cache_group=None,
     )
-    peer = KVCRDirectLinker(
+    peer = build_linker(
         stack["args"], params, components={ComponentType.FULL}, extra_config=CONFIG
     )
     try:
@@ -444,7 +446,8 @@ def _mla_layout(device: str = "cpu") -> tuple[Any, Any]:
     import torch
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
-    from sglang.srt.mem_cache.storage.kvcr.kvcr_layout import ModelIdentity, PageLayout
+    from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import PageLayout
+    from sglang.srt.mem_cache.storage.kvcr.layout.pool_layout import ModelIdentity
 
     pool = MLATokenToKVPool(
         POOL_TOKENS, PAGE, torch.bfloat16, LORA, ROPE, LAYERS, device, False
@@ -458,8 +461,9 @@ def test_stores_once_only_for_replicated_groups_of_all_page_pools():
     import dataclasses
 
     from cpu_harness import kvcr_families
-    from sglang.srt.mem_cache.storage.kvcr.kvcr_layout import ModelIdentity, PageLayout
-    from sglang.srt.mem_cache.storage.kvcr.replica_broadcast import stores_once
+    from sglang.srt.mem_cache.storage.kvcr.datapath.replica_broadcast import stores_once
+    from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import PageLayout
+    from sglang.srt.mem_cache.storage.kvcr.layout.pool_layout import ModelIdentity
 
     _, mla = _mla_layout()
     assert mla.rank_replicated
@@ -495,11 +499,11 @@ def test_broadcast_queue_refuses_exactly_what_plan_transfers_refuses():
     from sglang.srt.mem_cache.hicache_storage import PoolTransfer
 
     from cpu_harness.kvcr_pages import hashes_for, kv_transfer
-    from sglang.srt.mem_cache.storage.kvcr.replica_broadcast import (
+    from sglang.srt.mem_cache.storage.kvcr.datapath.replica_broadcast import (
         ReplicaBroadcast,
         dest_rows_of,
     )
-    from sglang.srt.mem_cache.storage.kvcr.restore import plan_transfers
+    from sglang.srt.mem_cache.storage.kvcr.datapath.restore import plan_transfers
 
     _, layout = _mla_layout()
     hashes = hashes_for(3, "queue")
@@ -545,7 +549,7 @@ def test_both_kvcr_routes_are_built_by_the_plugin_and_others_pass_through():
     """The kvcr alias and the dynamic route naming KVCRDirectLinker get the KVCR
     config; any other linker goes to SGLang's factory untouched."""
     from sglang.srt.mem_cache.storage.kvcr import plugin
-    from sglang.srt.mem_cache.storage.kvcr.config import (
+    from sglang.srt.mem_cache.storage.kvcr.config.linker_config import (
         LINKER_CLASS_NAME,
         LINKER_MODULE_PATH,
     )
@@ -577,7 +581,7 @@ def _broadcast_rank(rank: int, port: int, device: str) -> dict[str, Any]:
     )
 
     from cpu_harness.kvcr_pages import hashes_for, kv_transfer
-    from sglang.srt.mem_cache.storage.kvcr.replica_broadcast import (
+    from sglang.srt.mem_cache.storage.kvcr.datapath.replica_broadcast import (
         ReplicaBroadcast,
         dest_rows_of,
     )

@@ -9,14 +9,14 @@ ignored; a flush under new weights starts empty and parses only the new keys.
 from __future__ import annotations
 
 from cpu_harness.kvcr_pages import PAGE, make_pool
-from sglang.srt.mem_cache.storage.kvcr import kvcr_layout
-from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import InventoryChange
-from sglang.srt.mem_cache.storage.kvcr.residency import Residency
+from sglang.srt.mem_cache.storage.kvcr.layout import page_layout, pool_layout
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import InventoryChange
+from sglang.srt.mem_cache.storage.kvcr.requests.residency import Residency
 
 
-def _layout(checkpoint: str = "a") -> kvcr_layout.PageLayout:
-    identity = kvcr_layout.ModelIdentity(checkpoint, "", "d", tp_rank=0, tp_size=1)
-    return kvcr_layout.PageLayout.from_kv_pool(
+def _layout(checkpoint: str = "a") -> page_layout.PageLayout:
+    identity = pool_layout.ModelIdentity(checkpoint, "", "d", tp_rank=0, tp_size=1)
+    return page_layout.PageLayout.from_kv_pool(
         make_pool("cpu"), PAGE, identity=identity, draft_pool=make_pool("cpu")
     )
 

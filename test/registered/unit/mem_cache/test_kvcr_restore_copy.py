@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from sglang.srt.mem_cache.storage.kvcr.restore_copy import (
+from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import (
     CpuRestorePlan,
     Segment,
     plan_segments,
@@ -132,7 +132,7 @@ def test_span_restore_matches_row_copies(row_bytes, source) -> None:
     side scatter per part, a host gather for pages whose parts lie far apart), run
     on the CPU: every part of every page lands in its row, and only those rows
     change."""
-    from sglang.srt.mem_cache.storage.kvcr.restore_copy import SpanRestore
+    from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import SpanRestore
 
     rng = random.Random(f"{row_bytes}{source}")
     parts, pages, store_rows = 4, 24, 200

@@ -13,17 +13,17 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from sglang.srt.managers.kv_hints import KvHintAction, KvHintsEnvelope
 
-from sglang.srt.mem_cache.storage.kvcr import router_hint
-from sglang.srt.mem_cache.storage.kvcr.config import KVCRLinkerConfig
-from sglang.srt.mem_cache.storage.kvcr.errors import KVCRConfigError
-from sglang.srt.mem_cache.storage.kvcr.router_hint import (
+from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRConfigError
+from sglang.srt.mem_cache.storage.kvcr.config.linker_config import KVCRLinkerConfig
+from sglang.srt.mem_cache.storage.kvcr.fleet import router_hint
+from sglang.srt.mem_cache.storage.kvcr.fleet.router_hint import (
     EndpointAllowlist,
     FetchHint,
     HintRejection,
     HintStats,
     RouterHintParser,
-    page_hash_to_u64,
 )
+from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import page_hash_to_u64
 
 U64 = (1 << 64) - 1
 ENDPOINT = "tcp://127.0.0.1:43149"

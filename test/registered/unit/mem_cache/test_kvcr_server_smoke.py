@@ -157,8 +157,8 @@ def test_kvcr_server_shuts_down_cleanly(kvcr_server: ServerHandle) -> None:
 def test_bad_kvcr_config_fails_startup_naming_field(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    from sglang.srt.mem_cache.storage.kvcr.config import KVCRLinkerConfig
-    from sglang.srt.mem_cache.storage.kvcr.errors import KVCRConfigError
+    from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRConfigError
+    from sglang.srt.mem_cache.storage.kvcr.config.linker_config import KVCRLinkerConfig
 
     bad = {"local_dram_bytes": 1}
     with pytest.raises(KVCRConfigError) as excinfo:

@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from cpu_harness import kvcr_stack
-from sglang.srt.mem_cache.storage.kvcr import kvcr_factory
-from sglang.srt.mem_cache.storage.kvcr.errors import KVCRUnavailableError
-from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import KVCRAdapter
-from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import AdapterLimits
+from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRUnavailableError
+from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_factory
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_adapter import KVCRAdapter
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import AdapterLimits
 
 pytestmark = pytest.mark.kvcr
 

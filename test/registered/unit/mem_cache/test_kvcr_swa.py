@@ -18,8 +18,10 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
 from cpu_harness import kvcr_pages, kvcr_stack
 from cpu_harness.kvcr_pages import wait_until
-from sglang.srt.mem_cache.storage.kvcr.kvcr_layout import KVCRLayoutError
-from sglang.srt.mem_cache.storage.kvcr.linker_hooks import LinkerRequestContext
+from sglang.srt.mem_cache.storage.kvcr.layout.pool_layout import KVCRLayoutError
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
+    LinkerRequestContext,
+)
 
 pytestmark = pytest.mark.kvcr
 
@@ -344,7 +346,7 @@ def test_swa_tail_restores_through_the_unified_cache_bit_exact(plugin_hooks):
             "swa", "", array("q", [*tokens, 1, 2]), SamplingParams(max_new_tokens=1)
         )
         # What the enqueue hook does: prepare the tail, then wait until ready.
-        from sglang.srt.mem_cache.storage.kvcr import integration
+        from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
 
         handle = integration.wrapper_prepare_request(cache.linker, req)
         ready = cache.linker.cache_linker.preparation_ready

@@ -4,7 +4,8 @@ This module wires the collaborators and routes results; each owns its state:
 ``preparation`` (which pages of a request are claimed in KVCR DRAM),
 ``residency`` (what KVCR holds), ``offloader``/``offload_queue`` (write-through
 deposits and their FIFO results), ``restore`` (load planning and the copy),
-``quarantine`` (DRAM shares through flushes) and ``linker_stats``. Every KVCR call
+``quarantine`` (DRAM shares through flushes) and ``linker_stats``; ``builder``
+builds it from the rank's ``rank_setup.LinkerSetup``. Every KVCR call
 runs on the adapter's owner thread; this class runs on the scheduler thread,
 submits the commands the collaborators return and drains typed results in
 ``_pump``. A request's tail is *prepared*: pages resident here or named by a
@@ -24,38 +25,47 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
     UnifiedCacheLinker,
 )
 
-from sglang.srt.mem_cache.storage.kvcr import (
-    linker_metrics,
-    linker_setup,
-    linker_stats,
-    replica_broadcast,
+from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRUnavailableError
+from sglang.srt.mem_cache.storage.kvcr.datapath.offloader import Offloader
+from sglang.srt.mem_cache.storage.kvcr.datapath.restore import Restorer, plan_transfers
+from sglang.srt.mem_cache.storage.kvcr.fleet.router_hint import (
+    EndpointAllowlist,
+    RouterHintParser,
+    request_hint,
 )
-from sglang.srt.mem_cache.storage.kvcr.config import KVCRLinkerConfig
-from sglang.srt.mem_cache.storage.kvcr.device_streams import DeviceBinding
-from sglang.srt.mem_cache.storage.kvcr.fetch_plan import kv_keys, window_pages
-from sglang.srt.mem_cache.storage.kvcr.kvcr_adapter import KVCRAdapter
-from sglang.srt.mem_cache.storage.kvcr.kvcr_commands import InventoryChange, OpKind
-from sglang.srt.mem_cache.storage.kvcr.kvcr_session import KVCRSession
-from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
+from sglang.srt.mem_cache.storage.kvcr.observability import linker_metrics
+from sglang.srt.mem_cache.storage.kvcr.observability.linker_stats import (
+    Gauges,
+    LinkerStats,
+    StatsReport,
+    snapshot,
+)
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_adapter import KVCRAdapter
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
+    InventoryChange,
+    OpKind,
+)
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_session import KVCRSession
+from sglang.srt.mem_cache.storage.kvcr.rank_setup import LinkerSetup
+from sglang.srt.mem_cache.storage.kvcr.requests.fetch_plan import kv_keys, window_pages
+from sglang.srt.mem_cache.storage.kvcr.requests.preparation import Preparations
+from sglang.srt.mem_cache.storage.kvcr.requests.residency import Residency
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
     LinkerRequestContext,
     PreparationHandle,
     PreparationHooks,
     VerdictsPerRequest,
 )
-from sglang.srt.mem_cache.storage.kvcr.linker_setup import kvcache_layout_identity
-from sglang.srt.mem_cache.storage.kvcr.linker_stats import LinkerStats
-from sglang.srt.mem_cache.storage.kvcr.offloader import Offloader
-from sglang.srt.mem_cache.storage.kvcr.preparation import Preparations
-from sglang.srt.mem_cache.storage.kvcr.residency import Residency
-from sglang.srt.mem_cache.storage.kvcr.restore import Restorer, plan_transfers
-from sglang.srt.mem_cache.storage.kvcr.router_hint import (
-    EndpointAllowlist,
-    RouterHintParser,
-    request_hint,
-)
-from sglang.srt.mem_cache.storage.kvcr.stored_marks import StoredPages
 
-__all__ = ["KVCRDirectLinker", "kvcache_layout_identity"]
+__all__ = ["KVCRDirectLinker"]
+
+NOT_BUILT_BY_PLUGIN = (
+    "KVCRDirectLinker is built by the sglang-kvcr plugin's linker hook "
+    "(builder.build_linker), which did not run in this process: install "
+    "sglang-kvcr in this environment and, if SGLANG_PLUGINS is set, add kvcr to "
+    "it; then pass --unified-cache-external-linker-backend kvcr (or the dynamic "
+    "route naming KVCRDirectLinker)"
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,48 +76,36 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
     prepares_requests = True
     publishes_external_events = True
 
-    def __init__(
-        self,
-        server_args: Any,
-        params: Any,
-        *,
-        components: Any,
-        extra_config: dict[str, Any] | None = None,
-        forward_stream: Any = None,
-        rank: linker_setup.RankDescription | None = None,
-        replicas: Any = None,  # replica_broadcast.ReplicaBroadcast: stores once
-    ) -> None:
-        self.config = cfg = KVCRLinkerConfig.from_dict(extra_config or {})
-        self.forward_stream = forward_stream
-        self.page_size = int(params.page_size)
-        rank = rank or linker_setup.describe_rank(server_args, params, components)
-        self.replicas = replicas or replica_broadcast.NO_REPLICAS
+    def __init__(self, setup: LinkerSetup, *sglang_args: Any, **sglang_kw: Any) -> None:
+        """Built by ``builder.build_linker`` (the plugin's linker hook), which
+        hands over the rank's parsed config, description and resources."""
+        if not isinstance(setup, LinkerSetup) or sglang_args or sglang_kw:
+            raise KVCRUnavailableError(NOT_BUILT_BY_PLUGIN)
+        self.config = cfg = setup.config
+        self.forward_stream = setup.forward_stream
+        self.page_size = setup.page_size
+        rank, res = setup.rank, setup.resources
+        self.replicas = setup.replicas
         self.placement, self.layout = rank.placement, rank.layout
         self.weights, self.pools = rank.weights, rank.pools
         self.num_layers = self.layout.num_layers
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
-        counter = self.layer_done_counter
-        linker_setup.register_state_counter(params, self.layout, counter)
-        # The rank's device, captured here on the scheduler thread: side threads
-        # start on device 0 and bind to it before touching CUDA.
-        self._device = DeviceBinding.of(self.layout.pools[0].tensors[0].device)
-        # What an offload's deposits wait on: events after the batch that wrote
-        # the pages (none on CPU, where copies are synchronous).
+        self._device = setup.device
+        # Deposits wait on events after the writing batch (none on CPU: no async).
         self._ready_events = (
             self.record_offload_ready if self._device.is_cuda else tuple
-        )
-        sharers = replica_broadcast.dram_ranks(self.placement, replicas is not None)
-        res = linker_setup.build_resources(
-            self.layout, cfg, sharers, self._device, self.page_size
         )
         session = None
         try:  # a start-up that fails gives back what it took
             self.dram = res.dram
             self.stats = LinkerStats()
-            self.report = linker_stats.StatsReport(
+            self.report = StatsReport(
                 self.stats_snapshot,
                 linker_metrics.build(
-                    server_args, self.page_size, self.stats.samples, self.stats_snapshot
+                    setup.server_args,
+                    self.page_size,
+                    self.stats.samples,
+                    self.stats_snapshot,
                 ),
             )
             self.hints = RouterHintParser(
@@ -116,7 +114,6 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
             )
             self.preparations = Preparations(self.stats)
             self.residency = Residency(self.layout)
-            self.stored_pages = StoredPages()  # what EXTERNAL events announced
             self.offloader = Offloader(
                 layout=self.layout,
                 page_size=self.page_size,
@@ -126,12 +123,16 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
                 timeout_s=cfg.operation_timeout_ms / 1000.0,
             )
             self.session = session = KVCRSession.for_rank(
-                cfg, self.placement, self.layout, res
+                cfg,
+                self.placement,
+                self.layout,
+                self.dram,
+                res.framework_regions(self.layout),
             )
             self.restorer = Restorer(
                 layout=self.layout,
                 device=self._device,
-                storage=self.dram.storage,
+                dram=self.dram,
                 dest_rows=res.dest_rows,
                 counter=self.layer_done_counter,
                 stats=self.stats,
@@ -140,12 +141,8 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
             )
             session.log_up(self.placement, self.layout)
         except BaseException:
-            if session is None:  # nothing has used the resources yet
-                res.release(cfg.owner_wait_timeout_s)
-            else:  # KVCR is up: stop it before giving the DRAM back
-                self.offloader.close(cfg.owner_wait_timeout_s)
-                quiet = session.adapter.close()
-                self.dram.close(quiet, self.offloader.staging_buffers())
+            adapter = None if session is None else session.adapter
+            res.release(cfg.owner_wait_timeout_s, adapter)
             raise
 
     # ---- lifecycle ---------------------------------------------------------------
@@ -165,18 +162,16 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
         loads_quiet, claims = self.restorer.quiesce(timeout)
         staging_quiet = self.offloader.quiesce(timeout)
         self._release_all(claims)
-        self.offloader.reset(staging_quiet)
-        self.preparations.reset()
-        self.replicas.reset()
         identity = self.weights.take_pending()
         if identity is not None:
             # New weights: a new digest, so no peer (or old page) of the old
             # weights ever matches a key of the new ones.
             self.layout = self.layout.with_identity(identity)
-            self.offloader.layout = self.restorer.layout = self.layout
+        self.offloader.reset(staging_quiet, self.layout)
+        self.preparations.reset()
+        self.replicas.reset()
         self.residency.reset(self.layout)
         self.session.flush(self.layout, loads_quiet, identity is not None, timeout)
-        self.restorer.storage = self.dram.storage
 
     def weights_changing(
         self, source: str, model_path: str | None = None, load_format: str | None = None
@@ -282,11 +277,9 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
 
     def release_request(self, rid: str) -> None:
         self.session.submit(self.preparations.release(rid))
-        self.session.release(self.restorer.cancel(rid))
-        self.replicas.cancel(rid)
+        self.cancel_queued_load(rid)
 
-    def finish_request(self, rid: str) -> None:
-        self.release_request(rid)
+    finish_request = release_request
 
     def take_removed_page_hashes(self) -> list[str]:
         return self.residency.take_removed()
@@ -368,7 +361,16 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
 
     def stats_snapshot(self) -> dict[str, Any]:
         """Every counter and gauge of the stats line, by name (linker_stats)."""
-        return {**linker_stats.snapshot_of(self), **self.replicas.stats_snapshot()}
+        gauges = Gauges(
+            dram=self.dram.gauges(),
+            residency=self.residency.gauges(),
+            preparations=self.preparations.gauges(),
+            inbound_refused=self.session.inbound_refused(),
+        )
+        own = snapshot(
+            self.stats, gauges, self.session.stats(), self.hints.stats.as_dict()
+        )
+        return {**own, **self.replicas.stats_snapshot()}
 
     def stats_line(self) -> str:
         return self.report.line()
@@ -377,4 +379,4 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
         return self.dram.quarantine.bytes()
 
     def claims_held(self) -> int:
-        return self.preparations.claims_held()
+        return self.preparations.gauges().claims_held

@@ -9,9 +9,9 @@ one ``<prog>: error:`` line naming the flag, the field and the fix), an AFTER ho
 on the frontend's hierarchical-cache validation that runs the same checks for
 ``Engine(...)``, which parses no command line, and an AROUND hook on
 ``create_unified_cache_linker`` that builds the rank's linker
-(``replica_follower.build_linker``) for ``kvcr`` and for the ``dynamic`` route
+(``builder.build_linker``) for ``kvcr`` and for the ``dynamic`` route
 naming ``KVCRDirectLinker``. It also installs the filter that shortens a scheduler's failed KVCR start to one
-ERROR line (``startup_errors``). Registration imports only SGLang's hook registry
+ERROR line (``config.one_line_errors``). Registration imports only SGLang's hook registry
 and light, stdlib-only modules.
 """
 
@@ -19,27 +19,24 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
-from sglang.srt.mem_cache.storage.kvcr import startup_errors
-from sglang.srt.mem_cache.storage.kvcr.config import (
+from sglang.srt.mem_cache.storage.kvcr.config import one_line_errors
+from sglang.srt.mem_cache.storage.kvcr.config.linker_config import (
     BACKEND_FLAG,
     BACKEND_NAME,
     FLAG,
     LINKER_CLASS_NAME,
-    LINKER_MODULE_PATH,
-    KVCRLinkerConfig,
 )
-from sglang.srt.mem_cache.storage.kvcr.errors import (
-    KVCRConfigError,
-    KVCRUnavailableError,
+from sglang.srt.mem_cache.storage.kvcr.config.startup_checks import (
+    check_startup,
+    ensure_python_tree_core,
+    uses_kvcr,
 )
 
 logger = logging.getLogger(__name__)
 
-TREE_CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
 
 ADD_CLI_ARGS_TARGET = "sglang.srt.server_args.ServerArgs.add_cli_args"
 HANDLE_HICACHE_TARGET = "sglang.srt.arg_groups.hicache_hook.handle_hicache"
@@ -60,8 +57,8 @@ def register() -> None:
     HookRegistry.register(ADD_CLI_ARGS_TARGET, _after_add_cli_args, HookType.AFTER)
     HookRegistry.register(HANDLE_HICACHE_TARGET, _after_handle_hicache, HookType.AFTER)
     HookRegistry.register(CREATE_LINKER_TARGET, _around_create_linker, HookType.AROUND)
-    startup_errors.install_scheduler_filter()
-    from sglang.srt.mem_cache.storage.kvcr import integration
+    one_line_errors.install_scheduler_filter()
+    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
 
     integration.register_hooks()
     _registered = True
@@ -79,61 +76,7 @@ def _after_add_cli_args(result: Any, parser: argparse.ArgumentParser) -> None:
     if BACKEND_NAME not in choices:
         backend.choices = [*choices, BACKEND_NAME]
     if FLAG in actions:
-        startup_errors.check_after_parsing(parser, actions[FLAG], check_startup)
-
-
-def uses_kvcr(backend: str, config: object) -> bool:
-    """True when the flags select this package's linker (alias or dynamic path)."""
-    if backend == BACKEND_NAME:
-        return True
-    return (
-        backend == "dynamic"
-        and isinstance(config, dict)
-        and config.get("linker_module_path") == LINKER_MODULE_PATH
-    )
-
-
-_UNSUPPORTED_TOPOLOGY = (
-    (
-        "pp_size",
-        "--pp-size",
-        "pipeline parallelism splits a page's layers across ranks",
-    ),
-    ("dcp_size", "--dcp-size", "decode context parallelism splits a page's tokens"),
-    ("attn_cp_size", "--attn-cp-size", "context parallelism splits a page's tokens"),
-)
-
-
-def refuse_unsupported_topology(server_args: Any) -> None:
-    """Refuse layouts whose pages the KVCR linker cannot describe, naming the flag."""
-    for field, flag, why in _UNSUPPORTED_TOPOLOGY:
-        value = getattr(server_args, field, 1) or 1
-        if value > 1:
-            raise KVCRConfigError(
-                f"{BACKEND_FLAG} kvcr does not support {flag} {value} ({why}); "
-                f"run with {flag} 1 or use another linker"
-            )
-
-
-def check_startup(server_args: Any) -> bool:
-    """Refuse what a KVCR start can tell is wrong from the flags alone; True when
-    the flags enable this linker.
-
-    The config is parsed when the flags select this linker and it is enabled or
-    given a config (SGLang's own rule for ``dynamic``); the topology and the tree
-    core only matter once it is enabled. Runs on the parsed namespace (through
-    the parser ``_after_add_cli_args`` prepared) and on ``ServerArgs``.
-    """
-    backend = server_args.unified_cache_external_linker_backend
-    config = server_args.unified_cache_external_linker_config
-    enabled = bool(getattr(server_args, "enable_unified_cache_external_linker", False))
-    if not uses_kvcr(backend, config) or not (enabled or config is not None):
-        return False
-    KVCRLinkerConfig.from_startup_config(backend, config)
-    if enabled:
-        refuse_unsupported_topology(server_args)
-        _refuse_other_tree_core()
-    return enabled
+        one_line_errors.check_after_parsing(parser, actions[FLAG], check_startup)
 
 
 def _after_handle_hicache(result: Any, server_args: Any) -> None:
@@ -163,7 +106,7 @@ def _around_create_linker(
         )
     # One builder for both routes: it describes the rank once and picks the
     # rank's linker (a follower where rank-replicated pools are stored once).
-    from sglang.srt.mem_cache.storage.kvcr.replica_follower import build_linker
+    from sglang.srt.mem_cache.storage.kvcr.builder import build_linker
 
     return build_linker(
         server_args,
@@ -187,19 +130,3 @@ def _kvcr_extra_config(backend: str, config: Any) -> dict[str, Any] | None:
     )
 
     return dict(UnifiedCacheLinkerConfig.from_dict(config).linker_extra_config or {})
-
-
-def ensure_python_tree_core() -> None:
-    """Select SGLang's Python radix tree core for the KVCR linker (frontend)."""
-    _refuse_other_tree_core()
-    os.environ.setdefault(TREE_CORE_ENV, "python")
-
-
-def _refuse_other_tree_core() -> None:
-    chosen = os.environ.get(TREE_CORE_ENV)
-    if chosen is not None and chosen != "python":
-        raise KVCRUnavailableError(
-            f"the KVCR linker needs {TREE_CORE_ENV}=python (got {chosen!r}): it "
-            "publishes EXTERNAL KV events and clears stored marks on Python tree "
-            "nodes; unset the variable or set it to python"
-        )

@@ -24,69 +24,21 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
     UnifiedCacheLinker,
 )
 
-from sglang.srt.mem_cache.storage.kvcr import linker_setup, linker_stats
-from sglang.srt.mem_cache.storage.kvcr.config import KVCRLinkerConfig
-from sglang.srt.mem_cache.storage.kvcr.fetch_plan import kv_keys
-from sglang.srt.mem_cache.storage.kvcr.linker_hooks import (
+from sglang.srt.mem_cache.storage.kvcr import rank_setup
+from sglang.srt.mem_cache.storage.kvcr.config.linker_config import KVCRLinkerConfig
+from sglang.srt.mem_cache.storage.kvcr.datapath.replica_broadcast import (
+    ReplicaBroadcast,
+)
+from sglang.srt.mem_cache.storage.kvcr.observability import linker_stats
+from sglang.srt.mem_cache.storage.kvcr.requests.fetch_plan import kv_keys
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
     LinkerRequestContext,
     PreparationHandle,
     PreparationHooks,
     VerdictsPerRequest,
 )
-from sglang.srt.mem_cache.storage.kvcr.replica_broadcast import (
-    ReplicaBroadcast,
-    broadcast_group,
-    dest_rows_of,
-    stores_once,
-)
-from sglang.srt.mem_cache.storage.kvcr.stored_marks import StoredPages
 
 logger = logging.getLogger(__name__)
-
-
-def build_linker(
-    server_args: Any,
-    params: Any,
-    *,
-    components: Any,
-    extra_config: dict[str, Any] | None,
-    forward_stream: Any = None,
-) -> UnifiedCacheLinker:
-    """This rank's linker (see the module docstring)."""
-    from sglang.srt.mem_cache.storage.kvcr.kvcr_direct_linker import KVCRDirectLinker
-
-    config = KVCRLinkerConfig.from_dict(extra_config or {})  # every rank refuses alike
-    rank = linker_setup.describe_rank(server_args, params, components)
-    placement, layout = rank.placement, rank.layout
-    args = {
-        "components": components,
-        "extra_config": extra_config,
-        "forward_stream": forward_stream,
-        "rank": rank,
-    }
-    if not stores_once(layout, placement.shard_size):
-        return KVCRDirectLinker(server_args, params, **args)
-    page_size = int(params.page_size)
-    group, owner = broadcast_group(params, layout)
-    is_owner = placement.shard_rank == 0
-    broadcast = ReplicaBroadcast(
-        layout,
-        dest_rows_of(layout, page_size),
-        group,
-        owner,
-        is_owner,
-        page_size,
-        forward_stream,
-    )
-    if is_owner:
-        logger.info(
-            "KVCR rank-replicated pools stored once: this rank (global %d) stores "
-            "and restores them for its %d attention ranks",
-            owner,
-            placement.shard_size,
-        )
-        return KVCRDirectLinker(server_args, params, **args, replicas=broadcast)
-    return ReplicaFollower(rank, broadcast, config, forward_stream)
 
 
 class ReplicaFollower(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker):
@@ -97,7 +49,7 @@ class ReplicaFollower(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker):
 
     def __init__(
         self,
-        rank: linker_setup.RankDescription,
+        rank: rank_setup.RankDescription,
         broadcast: ReplicaBroadcast,
         config: KVCRLinkerConfig,
         forward_stream: Any = None,
@@ -108,7 +60,6 @@ class ReplicaFollower(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker):
         self.broadcast = broadcast
         self.forward_stream = forward_stream
         self.layer_done_counter = LayerWiseLoadCounter(self.layout.num_layers)
-        self.stored_pages = StoredPages()  # marks kept as the owner's are
         self._results: collections.deque[bool] = collections.deque()
         self._batches: dict[int, tuple[str, ...]] = {}
         self.offloads_acknowledged = 0
@@ -186,7 +137,6 @@ class ReplicaFollower(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker):
         self._results.clear()
         self._batches.clear()
         self.broadcast.reset()
-        self.stored_pages.reset()
 
     def close(self) -> None:
         self.reset()

@@ -1,0 +1,350 @@
+"""Frozen configuration of the KVCR direct linker, parsed from the startup flag.
+
+``--unified-cache-external-linker-config`` carries a JSON object. With
+``--unified-cache-external-linker-backend kvcr`` the object *is* this config; with
+the stock ``dynamic`` backend it goes under ``linker_extra_config``. Parsing rejects
+unknown keys by name, refuses the legacy ``local_dram_bytes`` with a migration hint,
+and checks ranges and cross-field rules, so a bad value fails at startup with one
+line that names the field and the fix (the value checks live in ``value_checks``).
+This module imports nothing heavy (no torch, kvcr or nixl): SGLang's frontend
+validates the config while it parses its arguments, before any worker starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+
+from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRConfigError
+from sglang.srt.mem_cache.storage.kvcr.config.value_checks import (
+    FLAG,
+    check_curve_fields,
+    config_error,
+    is_wildcard,
+    parse_allowlist_entry,
+    require_host,
+    require_int,
+)
+
+__all__ = [
+    "BACKEND_FLAG",
+    "BACKEND_NAME",
+    "FLAG",
+    "LINKER_CLASS_NAME",
+    "LINKER_MODULE_PATH",
+    "KVCRLinkerConfig",
+    "field_docs",
+    "parse_allowlist_entry",
+]
+
+BACKEND_FLAG = "--unified-cache-external-linker-backend"
+BACKEND_NAME = "kvcr"
+LINKER_CLASS_NAME = "KVCRDirectLinker"
+LINKER_MODULE_PATH = "sglang.srt.mem_cache.storage.kvcr.kvcr_direct_linker"
+
+_MAX_MS = 3_600_000  # timeouts: one hour at most, like owner_wait_timeout_s
+_MIB = 1 << 20
+_EVICTION_POLICIES = ("lru", "fifo")
+_OFFLOAD_PATHS = ("auto", "staged", "direct")
+
+
+def _doc(text: str) -> dict[str, str]:
+    return {"doc": text}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class KVCRLinkerConfig:
+    """Validated settings of one KVCR direct linker (one per worker process)."""
+
+    local_dram_bytes_per_worker: int = dataclasses.field(
+        metadata=_doc(
+            "Required. Bytes of host DRAM that KVCR owns for this worker (one "
+            "server on one node), divided evenly among the attention ranks the "
+            "node runs, across DP replicas; every pool gets the same page count "
+            "and the unused tail is logged."
+        )
+    )
+    control_bind_host: str = dataclasses.field(
+        default="127.0.0.1",
+        metadata=_doc(
+            "Address the KVCR peer control channel (ZMQ) binds to. Use 0.0.0.0 "
+            "only together with control_advertise_host."
+        ),
+    )
+    control_advertise_host: str = dataclasses.field(
+        default="",
+        metadata=_doc(
+            "Host peers are told to reach this worker at; empty means "
+            "control_bind_host. Required when binding a wildcard address."
+        ),
+    )
+    control_port: int = dataclasses.field(
+        default=0,
+        metadata=_doc(
+            "Control port of attention rank 0; global attention rank g (DP "
+            "replica d, attention-TP rank r: g = d * attn_tp_size + r) listens "
+            "on control_port + g. 0 picks free ports (hints can then only name "
+            "them explicitly)."
+        ),
+    )
+    operation_timeout_ms: int = dataclasses.field(
+        default=1000,
+        metadata=_doc("KVCR per-operation timeout; a peer silent this long is a miss."),
+    )
+    abandon_timeout_ms: int = dataclasses.field(
+        default=2000,
+        metadata=_doc(
+            "KVCR abandon window for unresolved remote operations; must be at "
+            "least 2x operation_timeout_ms (a kvcr 0.1.1 rule)."
+        ),
+    )
+    preparation_timeout_ms: int = dataclasses.field(
+        default=2000,
+        metadata=_doc(
+            "Deadline after enqueue at which a request's preparation is declared "
+            "ready with whatever pages have landed; the rest is recomputed."
+        ),
+    )
+    prepare_chunk_pages: int = dataclasses.field(
+        default=64,
+        metadata=_doc("Pages per KVCR fetch issued while preparing a request."),
+    )
+    max_inflight_offload_bytes: int = dataclasses.field(
+        default=2048 * _MIB,
+        metadata=_doc(
+            "Bound on offload bytes queued or in flight; beyond it offloads complete "
+            "as failed (counted as backpressure) instead of queueing. One larger "
+            "offload still runs when nothing else is in flight (direct path; the "
+            "staged path also needs that many staging bytes). Keep it above one "
+            "request's pages (a 3000-token Qwen3-0.6B prompt is 329 MiB)."
+        ),
+    )
+    max_inflight_prepare_bytes: int = dataclasses.field(
+        default=512 * _MIB,
+        metadata=_doc(
+            "Bound on bytes being fetched from peers for preparations (claims on "
+            "pages resident here move no bytes and are not charged); beyond it "
+            "preparation fetches are skipped and the pages recomputed (one larger "
+            "fetch still runs when nothing else is in flight)."
+        ),
+    )
+    max_abandoned_bytes: int = dataclasses.field(
+        default=256 * _MIB,
+        metadata=_doc(
+            "Bound on bytes held by operations whose requests went away; beyond it "
+            "new preparations are refused until KVCR resolves them."
+        ),
+    )
+    max_quarantined_cores: int = dataclasses.field(
+        default=1,
+        metadata=_doc(
+            "How many KVCR DRAM shares a worker may quarantine (a flush whose old "
+            "KVCR could not prove quiescence, e.g. a dead peer's transfer, keeps "
+            "its DRAM locked and allocates a fresh share). Once reached, the "
+            "worker stops taking peer fetches (hints are ignored and counted); a "
+            "further unclean flush past the bound gives the new KVCR one page per "
+            "pool and the linker restores and stores nothing (its requests "
+            "recompute; restore_disabled misses), so host memory never exceeds "
+            "(max + 1) shares. Each flush asks quarantined cores "
+            "whether they have proven quiescent since (a dead peer restarted): "
+            "their DRAM, still locked, is then reused, and peer fetches resume "
+            "once under the bound. 0 stops peer fetches for good at the first."
+        ),
+    )
+    owner_wait_timeout_s: float = dataclasses.field(
+        default=30.0,
+        metadata=_doc(
+            "Longest the scheduler thread waits for the adapter's owner thread on "
+            "a synchronous call (startup, reset, close) before it raises."
+        ),
+    )
+    nixl_progress_thread: bool = dataclasses.field(
+        default=False,
+        metadata=_doc(
+            "Run NIXL's busy-polling progress thread. It costs one whole CPU core per "
+            "idle KVCR; off, KVCR's own progress loop drives NIXL without spinning."
+        ),
+    )
+    progress_idle_ms: int = dataclasses.field(
+        default=20,
+        metadata=_doc(
+            "Longest an idle KVCR progress loop sleeps (kvcr itself wakes every 1 ms, "
+            "taking the GIL next to the forward). This worker's own operations wake "
+            "it at once; a peer's first request to a worker idle for 50 ms may wait "
+            "this long. 0 keeps kvcr's 1 ms loop."
+        ),
+    )
+    offload_path: str = dataclasses.field(
+        default="auto",
+        metadata=_doc(
+            "How offloads reach KVCR: 'staged' copies pages into a page-locked host "
+            "staging area (max_inflight_offload_bytes of it) and deposits from there; "
+            "'direct' lets KVCR read the pool itself; 'auto' stages GPU pools only."
+        ),
+    )
+    eviction_policy: str = dataclasses.field(
+        default="lru",
+        metadata=_doc("KVCR DRAM eviction policy: 'lru' or 'fifo'."),
+    )
+    peer_endpoint_allowlist: tuple[str, ...] = dataclasses.field(
+        default=(),
+        metadata=_doc(
+            "Hosts or CIDRs a kv.fetch hint may name as its source, each optionally "
+            "with ':port' or ':lo-hi'. Empty means this worker's advertised host. "
+            "Hints naming any other endpoint are ignored and counted. The same "
+            "hosts (ports do not apply), plus the advertised host, are the only "
+            "addresses whose control connections this worker accepts."
+        ),
+    )
+    control_curve_secret_key_file: str = dataclasses.field(
+        default="",
+        metadata=_doc(
+            "This worker's CURVE secret key file (the '.key_secret' file "
+            "zmq.auth.create_certificates writes). With "
+            "control_curve_public_keys_dir it turns on CURVE on the control "
+            "channel: peers must present a listed key, and this worker presents "
+            "its own when it dials. Empty: no CURVE."
+        ),
+    )
+    control_curve_public_keys_dir: str = dataclasses.field(
+        default="",
+        metadata=_doc(
+            "Directory of the '.key' public key files of the peers allowed to "
+            "connect; '<host>.key' is also the key a peer at <host> is dialed "
+            "with (else this worker's own). Set with control_curve_secret_key_file."
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        require_int(
+            "local_dram_bytes_per_worker",
+            self.local_dram_bytes_per_worker,
+            minimum=1,
+        )
+        require_int("control_port", self.control_port, minimum=0, maximum=65535)
+        for name in (
+            "operation_timeout_ms",
+            "abandon_timeout_ms",
+            "preparation_timeout_ms",
+        ):
+            require_int(name, getattr(self, name), minimum=1, maximum=_MAX_MS)
+        require_int(
+            "prepare_chunk_pages", self.prepare_chunk_pages, minimum=1, maximum=1 << 20
+        )
+        for name in (
+            "max_inflight_offload_bytes",
+            "max_inflight_prepare_bytes",
+            "max_abandoned_bytes",
+        ):
+            require_int(name, getattr(self, name), minimum=1)
+        wait = self.owner_wait_timeout_s
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)):
+            raise config_error("owner_wait_timeout_s", "must be a number of seconds")
+        if not 0 < wait <= 3600:
+            raise config_error("owner_wait_timeout_s", "must be in (0, 3600] seconds")
+        if not isinstance(self.nixl_progress_thread, bool):
+            raise config_error("nixl_progress_thread", "must be true or false")
+        require_int("progress_idle_ms", self.progress_idle_ms, minimum=0, maximum=1000)
+        require_int(
+            "max_quarantined_cores", self.max_quarantined_cores, minimum=0, maximum=64
+        )
+        if self.offload_path not in _OFFLOAD_PATHS:
+            raise config_error("offload_path", f"must be one of {list(_OFFLOAD_PATHS)}")
+        if self.eviction_policy not in _EVICTION_POLICIES:
+            raise config_error(
+                "eviction_policy", f"must be one of {list(_EVICTION_POLICIES)}"
+            )
+        if self.abandon_timeout_ms < 2 * self.operation_timeout_ms:
+            raise config_error(
+                "abandon_timeout_ms",
+                f"must be >= 2 x operation_timeout_ms "
+                f"({2 * self.operation_timeout_ms}); raise it or lower "
+                f"operation_timeout_ms",
+            )
+        require_host("control_bind_host", self.control_bind_host)
+        require_host("control_advertise_host", self.control_advertise_host)
+        if not self.control_bind_host:
+            raise config_error("control_bind_host", "must not be empty")
+        if is_wildcard(self.control_bind_host) and not self.control_advertise_host:
+            raise config_error(
+                "control_advertise_host",
+                f"is required when control_bind_host is {self.control_bind_host!r}; "
+                f"set it to the address peers should dial",
+            )
+        if is_wildcard(self.control_advertise_host):
+            raise config_error(
+                "control_advertise_host", "must be a reachable address, not a wildcard"
+            )
+        allow = self.peer_endpoint_allowlist
+        if not isinstance(allow, tuple) or not all(isinstance(e, str) for e in allow):
+            raise config_error("peer_endpoint_allowlist", "must be a list of strings")
+        for entry in allow:
+            parse_allowlist_entry(entry)
+        check_curve_fields(
+            self.control_curve_secret_key_file, self.control_curve_public_keys_dir
+        )
+
+    @property
+    def advertise_host(self) -> str:
+        """The host peers dial: the advertised host, else the bind host."""
+        return self.control_advertise_host or self.control_bind_host
+
+    @classmethod
+    def from_dict(cls, raw: object) -> KVCRLinkerConfig:
+        """Parse a decoded JSON object, rejecting unknown and legacy keys by name."""
+        if not isinstance(raw, Mapping):
+            raise KVCRConfigError(
+                f"{FLAG}: must be a JSON object, got {type(raw).__name__}; "
+                f"pass e.g. '{{\"local_dram_bytes_per_worker\": 8589934592}}'"
+            )
+        if "local_dram_bytes" in raw:
+            raise config_error(
+                "local_dram_bytes",
+                "is no longer accepted; rename it to local_dram_bytes_per_worker "
+                "(the value is now per worker process, split among its local ranks)",
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(str(k) for k in raw if k not in names)
+        if unknown:
+            raise KVCRConfigError(
+                f"{FLAG}: unknown fields: {unknown}; remove them "
+                f"(known fields: {sorted(names)})"
+            )
+        if "local_dram_bytes_per_worker" not in raw:
+            raise config_error(
+                "local_dram_bytes_per_worker",
+                "is required; set it to the host DRAM bytes KVCR may own per "
+                "worker, e.g. 8589934592 for 8 GiB",
+            )
+        values = dict(raw)
+        allow = values.get("peer_endpoint_allowlist")
+        if isinstance(allow, list):
+            values["peer_endpoint_allowlist"] = tuple(allow)
+        return cls(**values)
+
+    @classmethod
+    def from_startup_config(cls, backend: str, raw: object) -> KVCRLinkerConfig:
+        """Parse the flag's value for ``backend`` ('kvcr', or 'dynamic' + extra)."""
+        if isinstance(raw, (str, bytes)):
+            try:
+                raw = json.loads(raw)
+            except ValueError as exc:
+                raise KVCRConfigError(
+                    f"{FLAG}: not valid JSON ({exc}); pass a JSON object"
+                ) from None
+            except RecursionError:
+                raise KVCRConfigError(
+                    f"{FLAG}: not valid JSON (nested too deeply); pass a flat "
+                    f"JSON object"
+                ) from None
+        if raw is None:
+            raw = {}
+        if backend == "dynamic" and isinstance(raw, Mapping):
+            raw = raw.get("linker_extra_config", {})
+        return cls.from_dict(raw)
+
+
+def field_docs() -> dict[str, str]:
+    """Every config field with its documentation, in declaration order."""
+    return {f.name: f.metadata["doc"] for f in dataclasses.fields(KVCRLinkerConfig)}

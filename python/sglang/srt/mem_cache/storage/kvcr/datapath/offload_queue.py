@@ -1,0 +1,231 @@
+"""Offload results in FIFO order, and the deposits behind each.
+
+SGLang pairs the linker's offload results with its own pending offloads by
+position, on every rank, so every ``offload()`` call gets one ``OffloadRecord`` in
+the FIFO at once, whatever happens to it later. A record is settled when every
+deposit it was split into has completed (``STORED`` only if all succeeded). The
+queue also keeps the staging slots each staged deposit holds (freed when it
+completes) and the direct-path offloads waiting for their fences
+(``DeferredOffload``), and ``split_deposits`` builds a ready direct offload's
+deposits. It never calls KVCR: the linker submits what it builds.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from sglang.srt.mem_cache.storage.kvcr.device.device_streams import fences_done
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
+    Deposit,
+    EntryStatus,
+    OpDone,
+)
+
+logger = logging.getLogger(__name__)
+
+# Direct offloads this large go to KVCR as DEPOSIT_PARTS deposits (see
+# split_deposits); smaller ones as one.
+SPLIT_DEPOSIT_BYTES = 64 << 20
+DEPOSIT_PARTS = 2
+
+
+class OffloadOutcome(enum.Enum):
+    PENDING = "pending"
+    STORED = "stored"
+    FAILED = "failed"
+
+
+@dataclasses.dataclass(slots=True)
+class OffloadRecord:
+    """One ``offload()`` call's FIFO result, settled when all its deposits are."""
+
+    nbytes: int = 0
+    pending: int = 0  # deposits submitted and not yet completed
+    ok: bool = True
+    outcome: OffloadOutcome = OffloadOutcome.PENDING
+
+    def fail(self) -> None:
+        self.ok, self.outcome = False, OffloadOutcome.FAILED
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolPages:
+    """The pages one offload stores in one KVCR pool: page hashes and their device
+    page numbers (a tensor; on the host once a direct offload is deferred)."""
+
+    pool: Any
+    keys: list[str]
+    pages: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeferredOffload:
+    """A direct-path offload waiting for its fences (pages written, numbers on
+    the host) before its deposits are built."""
+
+    record: OffloadRecord
+    groups: list[PoolPages]
+    fences: tuple[Any, ...]
+    deadline: float  # past it with fences pending, the offload fails
+
+
+class OffloadQueue:
+    """The FIFO of offload results and what each deposit in flight holds."""
+
+    def __init__(self) -> None:
+        self._fifo: collections.deque[OffloadRecord] = collections.deque()
+        self._pending: dict[int, OffloadRecord] = {}  # deposit op -> its offload
+        self._staged: dict[int, tuple[int, ...]] = {}  # deposit op -> staging slots
+        self._deferred: list[DeferredOffload] = []
+
+    def __len__(self) -> int:
+        return len(self._fifo)
+
+    def push(self) -> OffloadRecord:
+        record = OffloadRecord()
+        self._fifo.append(record)
+        return record
+
+    def withdraw(self, record: OffloadRecord) -> None:
+        """``offload()`` raised after ``push``: the wrapper never queued it."""
+        if self._fifo and self._fifo[-1] is record:
+            self._fifo.pop()
+        for op_id in [k for k, v in self._pending.items() if v is record]:
+            del self._pending[op_id]
+        self._deferred = [d for d in self._deferred if d.record is not record]
+
+    def track(
+        self, op_id: int, record: OffloadRecord, slots: tuple[int, ...] | None = None
+    ) -> None:
+        """Deposit ``op_id`` belongs to ``record`` (and holds staging ``slots``)."""
+        self._pending[op_id] = record
+        if slots is not None:
+            self._staged[op_id] = slots
+
+    def defer(self, deferred: DeferredOffload) -> None:
+        self._deferred.append(deferred)
+
+    @property
+    def has_deferred(self) -> bool:
+        return bool(self._deferred)
+
+    @property
+    def deferred_count(self) -> int:
+        """Direct-path offloads still waiting for their fences."""
+        return len(self._deferred)
+
+    def take_ready(self, now: float) -> list[DeferredOffload]:
+        """The leading deferred offloads whose fences completed, in order; one
+        still pending past its deadline fails in place (and is taken)."""
+        ready = 0
+        for deferred in self._deferred:
+            if not fences_done(deferred.fences):
+                if now < deferred.deadline:
+                    break
+                logger.error("KVCR offload: pages not written in time; it fails")
+                deferred.record.fail()
+            ready += 1
+        batch = self._deferred[:ready]
+        del self._deferred[:ready]
+        return batch
+
+    def on_done(
+        self, done: OpDone
+    ) -> tuple[OffloadRecord | None, tuple[int, ...] | None]:
+        """Apply one deposit's completion: (the record it settled, if it did;
+        the staging slots it held, now free)."""
+        record = self._pending.pop(done.op_id, None)
+        slots = self._staged.pop(done.op_id, None)
+        if record is None:
+            return None, slots
+        record.ok &= all(e.status is EntryStatus.SUCCESS for e in done.entries.values())
+        record.pending -= 1
+        if record.pending:
+            return None, slots
+        # Stored only if every object of it succeeded.
+        record.outcome = OffloadOutcome.STORED if record.ok else OffloadOutcome.FAILED
+        return record, slots
+
+    def completed(self) -> int:
+        """How many results at the head of the FIFO are settled."""
+        n = 0
+        for record in self._fifo:
+            if record.outcome is OffloadOutcome.PENDING:
+                break
+            n += 1
+        return n
+
+    def pop(self) -> bool:
+        return self._fifo.popleft().outcome is OffloadOutcome.STORED
+
+    def clear_deferred(self) -> None:
+        self._deferred.clear()
+
+    def reset(self) -> list[tuple[int, ...]]:
+        """Forget everything (the wrapper fails its own pending offloads on a
+        flush; results queued here would pair with the next offloads by
+        position); returns the staging slot sets deposits still held."""
+        slots = list(self._staged.values())
+        self._fifo.clear()
+        self._pending.clear()
+        self._staged.clear()
+        self._deferred.clear()
+        return slots
+
+
+def split_deposits(
+    deferred: DeferredOffload,
+    block_key: Callable[[str, str], bytes],
+    agent: str,
+    pool_page_bytes: dict[str, int],
+    next_op_id: Callable[[], int],
+) -> list[Deposit]:
+    """The deposits of one ready direct-path offload. Large ones go as
+    ``DEPOSIT_PARTS`` deposits (window pages with the half their page falls in),
+    so KVCR's per-block Python work on the owner thread for the second overlaps
+    the copy of the first."""
+    record = deferred.record
+    kv_group = next(g for g in deferred.groups if not g.pool.trailing)
+    order = {h: i for i, h in enumerate(kv_group.keys)}
+    parts = DEPOSIT_PARTS if record.nbytes >= SPLIT_DEPOSIT_BYTES else 1
+    half = -(-len(order) // parts)
+    chunks: dict[int, list[tuple[Any, str, int]]] = {}
+    for g in deferred.groups:
+        for h, p in zip(g.keys, g.pages.tolist(), strict=True):
+            chunks.setdefault(order[h] // half, []).append((g.pool, h, p))
+    return [
+        Deposit(
+            op_id=next_op_id(),
+            blocks={
+                block_key(h, pool.name): pool.memory_refs(agent, p)
+                for pool, h, p in chunk
+            },
+            nbytes=sum(pool_page_bytes[pool.name] for pool, *_ in chunk),
+        )
+        for chunk in chunks.values()
+    ]
+
+
+def select(pages: torch.Tensor, keep: list[int]) -> torch.Tensor:
+    """``pages[keep]`` without a host sync (a leading run is a plain slice)."""
+    if keep == list(range(len(keep))):
+        return pages[: len(keep)]
+    index = torch.tensor(keep, dtype=torch.long, pin_memory=pages.is_cuda)
+    return pages.index_select(0, index.to(pages.device, non_blocking=True))
+
+
+def to_host(pages: torch.Tensor) -> torch.Tensor:
+    """Start copying ``pages`` to page-locked host memory on the current stream
+    (complete once an event recorded after it has); CPU tensors are returned."""
+    if not pages.is_cuda:
+        return pages
+    host = torch.empty(pages.shape, dtype=pages.dtype, pin_memory=True)
+    host.copy_(pages, non_blocking=True)
+    return host

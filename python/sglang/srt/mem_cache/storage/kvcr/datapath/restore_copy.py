@@ -1,0 +1,269 @@
+"""Restore copies: claimed KVCR DRAM slot rows into a request's device page rows.
+
+A restore moves, for every layer, one row per (page, part) from KVCR-owned DRAM into
+the pool's per-layer buffer. Row-by-row ``copy_`` calls are single-threaded and pay
+Python overhead per row, so a batch is planned once: pages are grouped into runs
+whose source slots advance by one stride in every part (KVCR hands out an object's
+part slots together, so filled DRAM gives long runs), and each run of each part is
+one strided ``index_copy_`` on 16- or 8-byte elements, which torch spreads over its
+intra-op threads whatever the destination order. On CUDA (``SpanRestore``) each run
+moves from page-locked KVCR DRAM as one contiguous host-to-device copy and is
+scattered on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sglang.srt.mem_cache.storage.kvcr.device.device_streams import wait_event
+from sglang.srt.mem_cache.storage.kvcr.device.host_memory import HostMemory
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Pages ``[start, stop)`` of a restore whose source slot for part ``i`` is
+    ``first[i] + (page - start) * stride``."""
+
+    start: int
+    stop: int
+    first: tuple[int, ...]
+    stride: int
+
+
+def plan_segments(src_slots: Sequence[tuple[int, ...]]) -> list[Segment]:
+    """Split the pages into maximal runs whose source slots advance by one
+    positive stride in every part (a single page is a run of stride 1)."""
+    segments: list[Segment] = []
+    n, i = len(src_slots), 0
+    while i < n:
+        j, stride = i + 1, 0
+        while j < n:
+            prev, cur = src_slots[j - 1], src_slots[j]
+            step = cur[0] - prev[0]
+            if step <= 0 or (stride and step != stride):
+                break
+            if any(b - a != step for a, b in zip(prev, cur, strict=True)):
+                break
+            stride = step
+            j += 1
+        segments.append(Segment(i, j, src_slots[i], stride or 1))
+        i = j
+    return segments
+
+
+def wide_rows(rows: torch.Tensor) -> torch.Tensor:
+    """The same bytes as 16- or 8-byte elements when rows allow: CPU copy and index
+    kernels move uint8 rows element by element, several times below memory speed,
+    and 16-byte elements index-copy faster than 8-byte ones (as ``make bench``'s
+    copy section showed when both were compared; current figures: "Benchmark
+    figures" in docs/kvcr_direct_linker.md). The elements are only moved, never
+    computed on, so every bit pattern (NaN payloads included) arrives intact."""
+    for dtype in (torch.complex128, torch.int64):
+        try:
+            return rows.view(dtype)
+        except RuntimeError:  # row size or offset not a multiple of the width
+            continue
+    return rows
+
+
+class CpuRestorePlan:
+    """How one batch's pages move, computed once and replayed for every part.
+
+    Each source run becomes a strided view of KVCR DRAM and one ``index_copy_``
+    into the destination rows (on 16-byte elements it beat a strided ``copy_``
+    even into consecutive rows): one pass over the bytes, on torch's intra-op
+    threads. When the source is too fragmented for that (many short runs, as
+    after heavy churn), each part is gathered with one ``index_select`` and
+    scattered with one ``index_copy_`` instead of thousands of row copies.
+    """
+
+    MAX_SEGMENTS = 8
+
+    def __init__(
+        self,
+        dest_pages: torch.Tensor | Sequence[int],
+        src_slots: Sequence[tuple[int, ...]],
+    ):
+        self.dest = torch.as_tensor(dest_pages, dtype=torch.long)
+        segments = plan_segments(src_slots)
+        self.fragmented = len(segments) > self.MAX_SEGMENTS
+        self.segments = segments
+        self.src_slots = src_slots
+        self._gather: dict[int, torch.Tensor] = {}
+
+    def copy_part(self, dst: torch.Tensor, src: torch.Tensor, part: int) -> None:
+        """``dst[dest[i]] = src[slot of page i, part]`` for every page; both are
+        2-D row tensors (destination page rows, KVCR DRAM slot rows)."""
+        if self.fragmented:
+            index = self._gather.get(part)
+            if index is None:
+                index = torch.tensor(
+                    [s[part] for s in self.src_slots], dtype=torch.long
+                )
+                self._gather[part] = index
+            dst.index_copy_(0, self.dest, src.index_select(0, index))
+            return
+        row = src.shape[1]
+        for seg in self.segments:
+            n = seg.stop - seg.start
+            view = src.as_strided(
+                (n, row),
+                (seg.stride * src.stride(0), src.stride(1)),
+                src.storage_offset() + seg.first[part] * src.stride(0),
+            )
+            dst.index_copy_(0, self.dest[seg.start : seg.stop], view)
+
+
+class SpanRestore:
+    """The GPU restore copy. KVCR DRAM is page-locked, so each run of claimed slots
+    moves to the device as one contiguous span (one asynchronous host-to-device
+    copy per scratch-sized chunk, at DMA speed, no host-side gather) and is
+    scattered into the destination page rows by device kernels, one per part.
+
+    Rows of a run are ``first[part] + page * stride``; KVCR gives an object's parts
+    adjacent slots, so a run's span is dense (``stride`` = parts). A run whose span
+    would be more than twice its bytes goes page by page; pages whose own parts lie
+    far apart (churned DRAM) are gathered on the host into a locked scratch buffer
+    (torch's intra-op threads) and moved with one copy per chunk. Everything is
+    queued on the caller's current stream and reuses the device scratch in stream
+    order; the host scratch is rewritten only after the copy reading it has
+    finished. The caller drains the stream before the claims or the destination
+    slots are given back. With a CPU device the same steps run synchronously.
+    """
+
+    SCRATCH_BYTES = 32 << 20
+
+    def __init__(
+        self,
+        device: torch.device,
+        memory: HostMemory | None = None,
+        scratch_bytes: int = SCRATCH_BYTES,
+    ) -> None:
+        self.device = device
+        self.scratch_bytes = scratch_bytes
+        self._memory = memory or HostMemory(pin=False)
+        # Allocated up front so a GPU host fails at startup, not mid-restore.
+        self._scratch = torch.empty(scratch_bytes, dtype=torch.uint8, device=device)
+        self._host: torch.Tensor | None = None
+        self._host_busy: Any = None  # event after the last copy out of _host
+        self.gathered_pages = 0  # pages that went through the host gather
+        self.span_copies = 0  # host-to-device span copies
+
+    def _device_buffer(self, nbytes: int) -> torch.Tensor:
+        if self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._scratch[:nbytes]
+
+    def _host_buffer(self, nbytes: int) -> torch.Tensor:
+        if self._host_busy is not None:  # the previous chunk's copy still reads it
+            wait_event(self._host_busy)
+            self._host_busy = None
+        if self._host is None or self._host.numel() < nbytes:
+            if self._host is not None:
+                self._memory.release(self._host)
+            self._host = self._memory.alloc(max(nbytes, self.scratch_bytes))
+        return self._host[:nbytes]
+
+    def close(self) -> None:
+        """Unlock the host scratch (the caller has drained the stream)."""
+        if self._host is not None:
+            self._memory.release(self._host)
+            self._host = None
+
+    def copy_pool(
+        self,
+        dest_parts: Sequence[torch.Tensor],
+        dest: torch.Tensor,
+        store: torch.Tensor,
+        src_slots: Sequence[tuple[int, ...]],
+    ) -> None:
+        """``dest_parts[p][dest[i]] = store[src_slots[i][p]]`` for every page ``i``
+        and part ``p``. ``dest_parts`` and ``store`` are 2-D row tensors of one
+        element type; ``dest`` is a device index tensor."""
+        nparts = len(dest_parts)
+        row_bytes = store.shape[1] * store.element_size()
+        cap_rows = max(nparts, self.scratch_bytes // row_bytes)
+        scattered: list[int] = []
+        for seg in _dense_segments(plan_segments(src_slots), nparts):
+            n = seg.stop - seg.start
+            low, high = min(seg.first), max(seg.first)
+            page_span = high - low + 1
+            if page_span > 2 * nparts:  # this page's parts lie far apart
+                scattered.extend(range(seg.start, seg.stop))
+                continue
+            per_chunk = max(1, (max(cap_rows, page_span) - page_span) // seg.stride + 1)
+            for a in range(0, n, per_chunk):
+                b = min(n, a + per_chunk)
+                lo = low + a * seg.stride
+                rows = page_span + (b - a - 1) * seg.stride
+                staged = _rows(self._device_buffer(rows * row_bytes), store, rows)
+                staged.copy_(store[lo : lo + rows], non_blocking=True)
+                self.span_copies += 1
+                index = dest[seg.start + a : seg.start + b]
+                for part, target in enumerate(dest_parts):
+                    view = staged.as_strided(
+                        (b - a, staged.shape[1]),
+                        (seg.stride * staged.stride(0), 1),
+                        staged.storage_offset()
+                        + (seg.first[part] - low) * staged.stride(0),
+                    )
+                    target.index_copy_(0, index, view)
+        if scattered:
+            self._copy_gathered(dest_parts, dest, store, src_slots, scattered, cap_rows)
+
+    def _copy_gathered(
+        self,
+        dest_parts: Sequence[torch.Tensor],
+        dest: torch.Tensor,
+        store: torch.Tensor,
+        src_slots: Sequence[tuple[int, ...]],
+        pages: list[int],
+        cap_rows: int,
+    ) -> None:
+        nparts = len(dest_parts)
+        row_bytes = store.shape[1] * store.element_size()
+        per_chunk = max(1, cap_rows // nparts)
+        cuda = self.device.type == "cuda"
+        for a in range(0, len(pages), per_chunk):
+            chunk = pages[a : a + per_chunk]
+            rows = len(chunk) * nparts
+            host = _rows(self._host_buffer(rows * row_bytes), store, rows)
+            slots = torch.tensor(
+                [src_slots[i][p] for i in chunk for p in range(nparts)],
+                dtype=torch.long,
+            )
+            torch.index_select(store, 0, slots, out=host)
+            staged = _rows(self._device_buffer(rows * row_bytes), store, rows)
+            staged.copy_(host, non_blocking=True)
+            if cuda:
+                self._host_busy = torch.cuda.Event()
+                self._host_busy.record()
+            positions = torch.tensor(chunk, dtype=torch.long, pin_memory=cuda)
+            index = dest.index_select(0, positions.to(dest.device, non_blocking=True))
+            by_page = staged.view(len(chunk), nparts, staged.shape[1])
+            for part, target in enumerate(dest_parts):
+                target.index_copy_(0, index, by_page[:, part])
+            self.gathered_pages += len(chunk)
+
+
+def _rows(buf: torch.Tensor, like: torch.Tensor, rows: int) -> torch.Tensor:
+    """``buf`` (bytes) as ``rows`` rows of ``like``'s element type and width."""
+    return buf.view(like.dtype).view(rows, like.shape[1])
+
+
+def _dense_segments(segments: list[Segment], nparts: int) -> Iterator[Segment]:
+    """Runs whose span is at most twice their bytes; a sparser run (pages far
+    apart in DRAM) goes page by page, each page its own span."""
+    for seg in segments:
+        n = seg.stop - seg.start
+        span = max(seg.first) - min(seg.first) + 1 + (n - 1) * seg.stride
+        if n == 1 or span <= 2 * n * nparts:
+            yield seg
+            continue
+        for i in range(n):
+            first = tuple(f + i * seg.stride for f in seg.first)
+            yield Segment(seg.start + i, seg.start + i + 1, first, 1)

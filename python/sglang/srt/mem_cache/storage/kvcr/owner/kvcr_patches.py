@@ -1,0 +1,270 @@
+"""Every use of kvcr 0.1.1's private names, in one place (as integration.py is
+for SGLang's).
+
+- Idle pacing of ``kvcr-progress``: kvcr's progress loop wakes every millisecond
+  while idle and runs Python each time, so an idle worker takes the GIL a thousand
+  times a second next to the model's forward. Once installed, an idle iteration
+  (no submissions, operations, transfers or results, and none for 50 ms) waits up
+  to ``progress_idle_ms`` instead, and any command the adapter hands KVCR wakes
+  every progress loop at once, so this worker's own operations start without
+  delay; only a peer's first request to a worker idle for 50 ms can wait up to the
+  idle period. ``progress_idle_ms = 0`` leaves kvcr's own loop untouched. kvcr
+  offers no such setting, so ``_KVCRProgress._run_one_iteration`` is wrapped once
+  per process.
+- NIXL's busy-polling progress thread on or off (``nixl_progress_thread``): kvcr
+  offers no switch, so its ``nixl_agent_config`` is wrapped once.
+- The inbound check on kvcr's ``ZmqPeerControlChannel`` (``guarded_channel_class``,
+  see control_auth): a subclass that swaps kvcr's unchecked PULL socket for one
+  guarded by a ZAP handler, and dials peers with the guard's options.
+- Whether a KVCR whose close failed has since become quiescent
+  (``core_is_quiescent``: kvcr exposes it on its core only), and how many
+  residency claims a KVCR holds (``public_claims``, for shutdown checks).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# After any work the loop keeps kvcr's 1 ms pace this long before backing off.
+_RECENT_S = 0.05
+_COND = threading.Condition()
+_LOCK = threading.Lock()
+_generation = 0
+_idle_s = 0.0
+_installed = False
+
+
+def configure(idle_ms: int) -> None:
+    """Set the idle wait (process-wide) and install the wrapper when it is > 0."""
+    global _idle_s, _installed
+    with _LOCK:
+        _idle_s = max(0, idle_ms) / 1000.0
+        if _installed or _idle_s == 0:
+            return
+        from kvcr import progress
+
+        cls = getattr(progress, "_KVCRProgress", None)
+        original = getattr(cls, "_run_one_iteration", None)
+        if cls is None or original is None:
+            logger.warning(
+                "kvcr has no progress loop to pace (not kvcr 0.1.1?); "
+                "progress_idle_ms has no effect"
+            )
+            return
+
+        cls._run_one_iteration = _paced(original)
+        _installed = True
+
+
+def _paced(original: Any) -> Any:
+    """``original`` (one progress iteration) that waits out idle periods."""
+
+    def paced(self: Any) -> bool:
+        seen = _generation
+        did = original(self)
+        idle = _idle_s
+        now = time.monotonic()
+        if (
+            did
+            or idle <= 0
+            or getattr(self, "_in_flight_ops", True)
+            or getattr(self, "_active_transfers", None)
+            or getattr(self, "_completed_backlog", True)
+            or getattr(self, "_stop_requested", True)
+        ):
+            self._kvcr_pacer_active = now
+            return bool(did)
+        if now - getattr(self, "_kvcr_pacer_active", 0.0) < _RECENT_S:
+            return False  # just busy (a peer may be mid-exchange): kvcr's 1 ms
+        with _COND:
+            _COND.wait_for(lambda: _generation != seen, timeout=idle)
+        return True  # the loop re-polls at once instead of sleeping again
+
+    return paced
+
+
+def wake() -> None:
+    """Work was handed to KVCR: every paced progress loop polls now."""
+    global _generation
+    if not _installed:
+        return
+    with _COND:
+        _generation += 1
+        _COND.notify_all()
+
+
+_PROGRESS_LOCK = threading.Lock()
+_progress_enabled = True
+_progress_patched = False
+
+
+class progress_thread_setting:
+    """Build a KVCR with NIXL's busy-polling progress thread on or off; the lock
+    makes the setting per construction."""
+
+    def __init__(self, enabled: bool) -> None:
+        self._enabled = enabled
+
+    def __enter__(self) -> None:
+        global _progress_enabled, _progress_patched
+        _PROGRESS_LOCK.acquire()
+        if not _progress_patched:
+            import kvcr.progress as progress
+
+            original = progress.nixl_agent_config
+
+            def config(*args: Any, **kwargs: Any) -> Any:
+                return original(
+                    *args, **{**kwargs, "enable_prog_thread": _progress_enabled}
+                )
+
+            progress.nixl_agent_config = config
+            _progress_patched = True
+        _progress_enabled = self._enabled
+
+    def __exit__(self, *exc: object) -> None:
+        _PROGRESS_LOCK.release()
+
+
+def core_is_quiescent(kv: Any) -> bool:
+    """Whether native progress can no longer touch ``kv``'s backend resources."""
+    return bool(kv._core.is_quiescent())
+
+
+def public_claims(kv: Any) -> int:
+    """Residency claims ``kv`` holds for its framework."""
+    return len(kv._core._local_dram._public_claims)
+
+
+_GUARDED: type | None = None
+_GUARDED_LOCK = threading.Lock()
+
+
+def guarded_channel_class() -> type:
+    """kvcr's ``ZmqPeerControlChannel`` with the inbound check (built once)."""
+    global _GUARDED
+    with _GUARDED_LOCK:
+        if _GUARDED is None:
+            _GUARDED = _build_guarded_channel_class()
+        return _GUARDED
+
+
+def _build_guarded_channel_class() -> type:
+    import zmq
+
+    from kvcr.control_channels import ZmqPeerControlChannel
+    from sglang.srt.mem_cache.storage.kvcr.fleet.control_auth import (
+        ControlAuthError,
+        InboundGuard,
+        _stop_authenticator,
+        _zap_handler_class,
+    )
+
+    for name in ("initialize", "send", "close", "adopt_listener"):
+        if not callable(getattr(ZmqPeerControlChannel, name, None)):
+            raise ControlAuthError(
+                f"kvcr's ZmqPeerControlChannel has no {name}() (not kvcr 0.1.1?); "
+                f"the control channel's inbound check cannot be installed"
+            )
+    zap_handler = _zap_handler_class()
+
+    class GuardedChannel(ZmqPeerControlChannel):
+        """A control channel that checks who connects (see the module docstring)."""
+
+        # kvcr's attributes (kvcr ships no type information).
+        _listener: socket.socket | None
+        _ctx: Any
+        _socket: Any
+        _outgoing: dict[str, Any]
+
+        def __init__(
+            self,
+            bind_host: str,
+            bind_port: int,
+            advertise_host: str,
+            *,
+            guard: InboundGuard,
+        ) -> None:
+            super().__init__(bind_host, bind_port, advertise_host)
+            self._guard = guard
+            self._auth: Any = None
+
+        def initialize(self) -> None:
+            self._guard.load()
+            super().initialize()  # kvcr's own socket: bound, but nobody reads it
+            self._swap_in_guarded_socket()
+
+        def _swap_in_guarded_socket(self) -> None:
+            """Replace kvcr's unchecked PULL socket with one on a private context
+            whose ZAP handler checks every peer. Security options only apply at
+            bind, so the new socket binds again onto the same reserved listener
+            (a second descriptor of it); kvcr's socket is closed unread, and a
+            peer that had connected to it reconnects through the check."""
+            ctx = zmq.Context()
+            try:
+                auth = zap_handler(ctx)
+                auth.guard = self._guard
+                auth.start()
+            except BaseException as exc:
+                ctx.destroy(linger=0)
+                raise ControlAuthError(
+                    f"KVCR control ZAP handler failed to start: {exc}"
+                ) from exc
+            listener = self._listener
+            if listener is None:  # kvcr's initialize() always reserves one
+                _stop_authenticator(auth, ctx)
+                raise ControlAuthError("kvcr reserved no control listener")
+            guarded = ctx.socket(zmq.PULL)
+            guarded.linger = 0
+            descriptor = None
+            try:
+                self._guard.server_options(guarded)
+                descriptor = os.dup(listener.fileno())
+                guarded.setsockopt(zmq.USE_FD, descriptor)
+                guarded.bind(self._bind_endpoint)
+            except BaseException:
+                if descriptor is not None:  # not adopted: still ours to close
+                    os.close(descriptor)
+                guarded.close()
+                _stop_authenticator(auth, ctx)
+                raise
+            unchecked, self._socket = self._socket, guarded
+            unchecked.close()
+            self._ctx, self._auth = ctx, auth
+
+        def send(self, endpoint: str, message: bytes) -> bool:
+            # Dial with our options first; kvcr's send then finds the socket.
+            fresh = self._ctx is not None and endpoint not in self._outgoing
+            if fresh and not self._dial(endpoint):
+                return False
+            return bool(super().send(endpoint, message))
+
+        def _dial(self, endpoint: str) -> bool:
+            peer = self._ctx.socket(zmq.PUSH)
+            peer.linger = 0
+            try:
+                self._guard.client_options(peer, endpoint)
+                peer.connect(self._guard.client_endpoint(endpoint))
+            except zmq.ZMQError as exc:
+                logger.warning("KVCR control: cannot dial %s (%s)", endpoint, exc)
+                peer.close()
+                return False
+            self._outgoing[endpoint] = peer
+            return True
+
+        def close(self) -> None:
+            try:
+                super().close()
+            finally:
+                auth, self._auth = self._auth, None
+                ctx, self._ctx = self._ctx, None
+                _stop_authenticator(auth, ctx)
+
+    return GuardedChannel

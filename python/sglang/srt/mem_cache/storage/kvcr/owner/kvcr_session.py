@@ -1,0 +1,179 @@
+"""One rank's KVCR incarnations: start, re-key and restart the owner-thread adapter.
+
+A linker runs one KVCR at a time. A flush closes it and starts the next one with a
+fresh NIXL agent name (peers, and this process, may still remember the previous
+one), the DRAM regions the quarantine handed back and, after a weight update, a key
+adapter for the new digest. ``KVCRSession`` owns what that takes: the factory
+arguments, the adapter limits, the agent name, the endpoints a router may use to
+name this rank, and the hand-over of DRAM from one incarnation to the next
+(``quarantine.KVCRDram``). The linker submits and releases through it and never builds a
+factory itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import socket
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from sglang.srt.mem_cache.storage.kvcr.config.linker_config import KVCRLinkerConfig
+from sglang.srt.mem_cache.storage.kvcr.fleet.router_hint import own_endpoints
+from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import KeyAdapter, PageLayout
+from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_factory
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_adapter import KVCRAdapter
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
+    AdapterLimits,
+    AdapterStats,
+    Deposit,
+    DiscardHint,
+    Fetch,
+    Release,
+)
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_factory import make_kvcr_factory
+from sglang.srt.mem_cache.storage.kvcr.owner.quarantine import KVCRDram
+
+if TYPE_CHECKING:
+    from kvcr.types import RegionDescriptor
+    from sglang.srt.mem_cache.storage.kvcr.layout.rank_placement import RankPlacement
+
+logger = logging.getLogger(__name__)
+
+_INCARNATIONS = itertools.count(1)
+# AdapterStats fields that only grow: summed over incarnations (the rest are the
+# running adapter's in-flight bytes and peaks).
+_COUNTERS = (
+    "deposits",
+    "fetches",
+    "refused_offload",
+    "refused_prepare",
+    "claims_released",
+    "resilience_events",
+)
+
+
+class KVCRSession:
+    """The running KVCR incarnation of one rank and how to start the next."""
+
+    __slots__ = (
+        "_dram",
+        "_factory_args",
+        "_hosts",
+        "_label",
+        "_limits",
+        "_retired",
+        "adapter",
+        "agent",
+        "own_endpoints",
+    )
+
+    def __init__(
+        self,
+        config: KVCRLinkerConfig,
+        dram: KVCRDram,
+        factory_args: dict[str, Any],
+        label: str,
+    ) -> None:
+        self._dram = dram
+        self._factory_args = factory_args
+        self._label = label
+        self._hosts = (config.control_bind_host, config.advertise_host)
+        self._limits = AdapterLimits(
+            max_inflight_offload_bytes=config.max_inflight_offload_bytes,
+            max_inflight_prepare_bytes=config.max_inflight_prepare_bytes,
+            wait_timeout_s=config.owner_wait_timeout_s,
+        )
+        self.agent = ""
+        self.own_endpoints: frozenset[str] = frozenset()
+        self._retired = AdapterStats()  # counts of the incarnations flushed
+        self.adapter = self._start()
+
+    @classmethod
+    def for_rank(
+        cls,
+        config: KVCRLinkerConfig,
+        placement: RankPlacement,
+        layout: PageLayout,
+        dram: KVCRDram,
+        framework_regions: list[RegionDescriptor],
+    ) -> KVCRSession:
+        """The first incarnation of ``placement``'s KVCR over ``dram``, copying to
+        and from ``framework_regions``."""
+        port = placement.control_port(config.control_port)
+        args = kvcr_factory.factory_args(layout, config, port, dram, framework_regions)
+        return cls(config, dram, args, placement.label())
+
+    def log_up(self, placement: Any, layout: PageLayout) -> None:
+        logger.info(
+            "KVCR direct linker up: agent=%s endpoint=%s (%s) digest=%s pools=%s",
+            self.agent,
+            self.endpoint,
+            placement.describe(),
+            layout.compatibility_digest,
+            [p.name for p in layout.pools],
+        )
+
+    def _start(self) -> KVCRAdapter:
+        # A fresh NIXL agent name per incarnation: peers and this process may
+        # still remember the previous one after a flush.
+        host, pid = socket.gethostname(), os.getpid()
+        agent = f"kvcr-{host}-{pid}-{self._label}-{next(_INCARNATIONS)}"
+        factory = make_kvcr_factory(agent_name=agent, **self._factory_args)
+        adapter = KVCRAdapter(factory, self._limits, name=f"kvcr-{self._label}")
+        self.agent = agent
+        self.own_endpoints = own_endpoints(adapter.endpoint, self._hosts)
+        return adapter
+
+    def flush(
+        self, layout: PageLayout, loads_quiet: bool, rekey: bool, timeout_s: float
+    ) -> None:
+        """Close this incarnation and start the next one over DRAM the quarantine
+        says is idle (``loads_quiet``: no restore copy can still read it), keyed
+        for ``layout`` when ``rekey`` (new weights gave it a new digest)."""
+        old = self.adapter
+        self._retired = self._summed(old.stats())
+        # A copy still running past the deadline may read the old DRAM however
+        # cleanly KVCR closed: that share is never reclaimed.
+        clean = old.close() and loads_quiet
+        if self._dram.flush(old, clean, timeout_s, reclaimable=loads_quiet):
+            regions = layout.local_dram_regions(list(self._dram.storage.values()))
+            self._factory_args["local_dram_pools"] = regions
+        if rekey:
+            self._factory_args["key_adapter"] = KeyAdapter(layout)
+        self.adapter = self._start()
+        logger.info(
+            "KVCR linker reset: residency cleared, endpoint=%s digest=%s",
+            self.endpoint,
+            layout.compatibility_digest,
+        )
+
+    def stats(self) -> AdapterStats:
+        """The running adapter's stats with every counter summed over this rank's
+        incarnations (a flush does not take back what was counted)."""
+        return self._summed(self.adapter.stats())
+
+    def _summed(self, now: AdapterStats) -> AdapterStats:
+        totals = {f: getattr(now, f) + getattr(self._retired, f) for f in _COUNTERS}
+        return dataclasses.replace(now, **totals)
+
+    @property
+    def endpoint(self) -> str:
+        return self.adapter.endpoint
+
+    def submit(
+        self, commands: Iterable[Deposit | Fetch | Release | DiscardHint]
+    ) -> None:
+        for command in commands:
+            self.adapter.submit(command)
+
+    def release(self, claims: Sequence[int] | None) -> None:
+        """Give KVCR back these residency claims (nothing when there are none)."""
+        if claims:
+            self.adapter.submit(Release(tuple(claims)))
+
+    def inbound_refused(self) -> int:
+        """Control-channel connections the inbound guard refused."""
+        return int(self._factory_args["inbound_guard"].refused)

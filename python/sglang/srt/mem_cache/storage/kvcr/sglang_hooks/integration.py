@@ -1,0 +1,447 @@
+"""The one module that touches SGLang 0.5.23 private names: scheduler and tree hooks.
+
+``register_hooks`` installs, through ``HookRegistry``, the hooks that give a
+direct linker the prepare / ready / release / finish contract of ``linker_hooks``
+(enqueue-time preparation, a MIN-reduced readiness gate before prefill admission,
+per-request restore verdicts, release on abort), EXTERNAL stored marks and
+KVCR-eviction gathering across ranks, and weight-update announcements; the docs'
+"How it plugs into SGLang" lists every target and what each does. Linkers without
+the optional hooks (Mooncake, mori) see no behaviour change: every hook returns at
+once unless ``prepares_requests`` / ``publishes_external_events``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRUnavailableError
+from sglang.srt.mem_cache.storage.kvcr.config.startup_checks import TREE_CORE_ENV
+from sglang.srt.mem_cache.storage.kvcr.fleet.event_hashes import published_aliases
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import stored_marks
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
+    LinkerRequestContext,
+    PreparationHandle,
+    linker_hook,
+    merge_held,
+)
+
+logger = logging.getLogger(__name__)
+
+
+_SCHED = "sglang.srt.managers.scheduler.Scheduler"
+_WRAPPER = (
+    "sglang.srt.mem_cache.unified_cache.unified_cache_linker.UnifiedCacheLinkerWrapper"
+)
+_CACHE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
+_WEIGHTS = (
+    "sglang.srt.managers.scheduler_components.weight_updater"
+    ".SchedulerWeightUpdaterManager"
+)
+WEIGHT_TARGETS: tuple[str, ...] = tuple(
+    f"{_WEIGHTS}.{name}"
+    for name in (
+        "update_weights_from_disk",
+        "update_weights_from_tensor",
+        "update_weights_from_distributed",
+        "update_weights_from_ipc",
+        "begin_weight_update",
+        "end_weight_update",  # P2P/RDMA writes land between begin and end
+        "check_weights",  # action="reset_tensors" randomizes every parameter
+        "resume_memory_occupation",  # weights without a CPU backup: undefined
+    )
+)
+_PD_PREFILL = (
+    "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
+    ".optimistic_release_and_requeue"
+)
+
+TARGETS: tuple[str, ...] = (
+    f"{_SCHED}._add_request_to_queue",
+    f"{_SCHED}._get_new_batch_prefill_raw",
+    f"{_WRAPPER}.release_request",
+    f"{_WRAPPER}.commit_completed_offloads",
+    f"{_WRAPPER}.finish_loads",
+    f"{_CACHE}.on_release",
+    f"{_CACHE}.check_hicache_events",
+    f"{_CACHE}.init_cache_linker",
+    f"{_CACHE}.reset",
+    *WEIGHT_TARGETS,
+)
+
+
+def register_hooks() -> None:
+    """Register every scheduler/tree hook with SGLang's HookRegistry."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    after, around = HookType.AFTER, HookType.AROUND
+    HookRegistry.register(TARGETS[0], _after_add_request_to_queue, after)
+    HookRegistry.register(TARGETS[1], _around_get_new_batch_prefill, around)
+    HookRegistry.register(TARGETS[2], _after_wrapper_release_request, after)
+    HookRegistry.register(TARGETS[3], _around_commit_completed_offloads, around)
+    HookRegistry.register(TARGETS[4], _around_finish_loads, around)
+    HookRegistry.register(TARGETS[5], _after_on_release, after)
+    HookRegistry.register(TARGETS[6], _after_check_hicache_events, after)
+    HookRegistry.register(TARGETS[7], _after_init_cache_linker, after)
+    HookRegistry.register(TARGETS[8], _after_cache_reset, after)
+    HookRegistry.register(_PD_PREFILL, _after_optimistic_requeue, after)
+    for target in WEIGHT_TARGETS:
+        HookRegistry.register(target, _around_weight_update, around)
+
+
+def installed_hooks() -> dict[str, bool]:
+    """Which hook targets currently carry a registry wrapper."""
+    import importlib
+
+    status = {}
+    for target in TARGETS:
+        module_path, cls_name, attr = target.rsplit(".", 2)
+        cls = getattr(importlib.import_module(module_path), cls_name)
+        status[target] = hasattr(getattr(cls, attr), "__wrapped__")
+    return status
+
+
+def require_hooks_installed() -> None:
+    """Refuse to run a preparing linker whose scheduler hooks are missing."""
+    missing = [t for t, ok in installed_hooks().items() if not ok]
+    if missing:
+        raise KVCRUnavailableError(
+            f"KVCR linker hooks are not installed on {missing}; load the plugin "
+            "(sglang.srt.plugins.load_plugins(), entry point 'kvcr') before the "
+            "scheduler starts, and do not exclude it with SGLANG_PLUGINS"
+        )
+
+
+# ---- helpers ---------------------------------------------------------------
+
+
+def _backend(tree_cache: Any) -> Any:
+    wrapper = getattr(tree_cache, "linker", None)
+    return None if wrapper is None else wrapper.cache_linker
+
+
+def _preparing_backend(tree_cache: Any) -> Any:
+    backend = _backend(tree_cache)
+    if backend is None or not linker_hook(backend, "prepares_requests"):
+        return None
+    return backend
+
+
+def wrapper_prepare_request(wrapper: Any, req: Any) -> Any:
+    """Device-only match of ``req`` at enqueue, then hand the tail to the backend.
+
+    No ``lookup`` and no collective: ``match_prefix`` with ``req=None`` skips the
+    linker. Every attention rank enqueues the same requests in the same order.
+    """
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.common import _req_radix_key
+    from sglang.srt.mem_cache.unified_cache.components.base import (
+        LinkerTransferPhase,
+    )
+
+    cache = wrapper.cache
+    # The scheduler's own token type (array('q')): the tree asserts key types match.
+    tokens = req.origin_input_ids + req.output_ids
+    if not tokens:
+        return None
+    key = _req_radix_key(cache, req, tokens, req._compute_max_prefix_len(len(tokens)))
+    result = cache.match_prefix(MatchPrefixParams(key=key, cow_mamba=False, req=None))
+    view, _ = key.maybe_to_bigram_view(cache.tree_core.is_eagle)
+    if result.device_prefix_len >= len(view):
+        tail: list[str] = []
+    else:
+        tail = wrapper._tail_hashes(view, result, result.device_prefix_len)
+    transfers = []
+    for component in wrapper._components:
+        transfer = component.build_external_linker_transfer(
+            LinkerTransferPhase.LOOKUP, None, tail
+        )
+        if transfer is None:
+            return None
+        transfers.append(transfer)
+    handle = getattr(req, "cache_request_handle", None)
+    kv_hints = getattr(req, "kv_hints", None)
+    ctx = LinkerRequestContext(
+        rid=req.rid,
+        attempt_id=int(getattr(handle, "attempt_id", 0) or 0),
+        kv_hints=kv_hints,
+        # What a router read from this request's published events (only needed
+        # when a hint came with the request).
+        event_hashes=(
+            published_aliases(
+                view, result.device_prefix_len, len(tail), cache.page_size
+            )
+            if kv_hints is not None and tail
+            else ()
+        ),
+    )
+    return linker_hook(wrapper.cache_linker, "prepare_request")(ctx, transfers)
+
+
+def wrapper_sync_preparation(wrapper: Any, reqs: list[Any]) -> list[bool]:
+    """Readiness of ``reqs``, identical on every attention rank (MIN of 0/1)."""
+    ready_fn = linker_hook(wrapper.cache_linker, "preparation_ready")
+    flags = torch.tensor(
+        [int(bool(ready_fn(_handle(r)))) for r in reqs], dtype=torch.int
+    )
+    wrapper.cache._all_reduce_attn_groups(flags, torch.distributed.ReduceOp.MIN)
+    return [bool(v) for v in flags.tolist()]
+
+
+def _handle(req: Any) -> PreparationHandle:
+    handle = getattr(req, "cache_request_handle", None)
+    return PreparationHandle(req.rid, int(getattr(handle, "attempt_id", 0) or 0))
+
+
+def _prepare_safely(tree_cache: Any, req: Any) -> None:
+    try:
+        wrapper_prepare_request(tree_cache.linker, req)
+    except Exception:
+        # A failed preparation is a miss; the request recomputes.
+        logger.exception("KVCR preparation failed for %s; it will recompute", req.rid)
+
+
+# ---- scheduler hooks --------------------------------------------------------
+
+
+def _after_add_request_to_queue(
+    result: Any, scheduler: Any, req: Any, is_retracted: bool = False
+) -> None:
+    if _preparing_backend(scheduler.tree_cache) is None:
+        return
+    queue = scheduler.waiting_queue
+    bootstrap = getattr(scheduler, "disagg_prefill_bootstrap_queue", None)
+    enqueued = bool(queue) and queue[-1] is req
+    if not enqueued and bootstrap is not None:
+        pending: list[Any] = getattr(bootstrap, "queue", None) or []
+        enqueued = bool(pending) and pending[-1] is req
+    if enqueued:
+        _prepare_safely(scheduler.tree_cache, req)
+
+
+def _after_optimistic_requeue(
+    result: Any, scheduler: Any, *args: Any, **kw: Any
+) -> None:
+    """Prepare the request just requeued (its new attempt), wherever it went."""
+    tree_cache = getattr(scheduler, "tree_cache", None)
+    if tree_cache is None or _preparing_backend(tree_cache) is None:
+        return
+    req = args[0] if args else kw.get("req")
+    if req is not None:
+        _prepare_safely(tree_cache, req)
+
+
+def _around_get_new_batch_prefill(
+    original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any
+) -> Any:
+    tree_cache = scheduler.tree_cache
+    queue = scheduler.waiting_queue
+    if not queue or _preparing_backend(tree_cache) is None:
+        return original(scheduler, *args, **kwargs)
+    ready = wrapper_sync_preparation(tree_cache.linker, queue)
+    linker_hook(tree_cache.linker.cache_linker, "note_admission")(
+        [r.rid for r in queue], ready
+    )
+    if all(ready):
+        return original(scheduler, *args, **kwargs)
+    held = [r for r, ok in zip(queue, ready, strict=True) if not ok]
+    scheduler.waiting_queue = [r for r, ok in zip(queue, ready, strict=True) if ok]
+    try:
+        return original(scheduler, *args, **kwargs)
+    finally:
+        scheduler.waiting_queue = merge_held(queue, held, scheduler.waiting_queue)
+
+
+# ---- restore verdicts --------------------------------------------------------
+
+
+def _around_finish_loads(original: Callable[..., Any], wrapper: Any) -> list[str]:
+    """The wrapper's ``finish_loads`` with one verdict per request instead of one
+    per batch: only requests whose own KV did not land are aborted; the others
+    of the batch run on their restored KV. Each request's verdict is MIN-reduced
+    across the attention group (same rids, same order on every rank)."""
+    backend = wrapper.cache_linker
+    by_request = getattr(backend, "finish_layer_wise_loading_by_request", None)
+    if by_request is None:
+        return original(wrapper)
+    rids, wrapper.inflight_load_rids = wrapper.inflight_load_rids, []
+    if not rids:
+        return []
+    index, wrapper.inflight_load_index = wrapper.inflight_load_index, -1
+    verdicts = by_request(index)
+    # Every rank must reduce as many flags: check the count first (MIN of n and
+    # of -n), and abort them all if the ranks' lists ever differ.
+    sizes = torch.tensor([len(rids), -len(rids)], dtype=torch.int)
+    wrapper.cache._all_reduce_attn_groups(sizes, torch.distributed.ReduceOp.MIN)
+    if sizes.tolist() != [len(rids), -len(rids)]:
+        logger.error("KVCR restore verdicts: ranks disagree on the loading requests")
+        landed = torch.zeros(len(rids), dtype=torch.int)
+    else:
+        # A request the linker has no record of did not land (fail closed).
+        landed = torch.tensor(
+            [int(verdicts.get(rid, False)) for rid in rids], dtype=torch.int
+        )
+        wrapper.cache._all_reduce_attn_groups(landed, torch.distributed.ReduceOp.MIN)
+    for rid in rids:
+        wrapper.private_load_indices.pop(rid, None)
+    failed = [rid for rid, ok in zip(rids, landed.tolist(), strict=True) if not ok]
+    if failed:
+        logger.error(
+            "KVCR restore did not land for %d of %d request(s); aborting %s",
+            len(failed),
+            len(rids),
+            failed,
+        )
+    return failed
+
+
+# ---- release hooks ----------------------------------------------------------
+
+
+def _after_wrapper_release_request(result: Any, wrapper: Any, rid: str) -> None:
+    linker_hook(wrapper.cache_linker, "release_request")(rid)
+
+
+def _after_on_release(result: Any, cache: Any, req: Any, **kwargs: Any) -> None:
+    backend = _backend(cache)
+    if backend is not None:
+        linker_hook(backend, "finish_request")(req.rid)
+
+
+# ---- events and stored marks --------------------------------------------------
+
+
+def _after_init_cache_linker(result: Any, cache: Any, cache_linker: Any) -> None:
+    if not (
+        linker_hook(cache_linker, "prepares_requests")
+        or linker_hook(cache_linker, "publishes_external_events")
+    ):
+        return
+    require_hooks_installed()
+    from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
+
+    if not isinstance(cache.tree_core, UnifiedTreeCore):
+        raise KVCRUnavailableError(
+            f"the KVCR linker needs SGLang's Python radix tree core (got "
+            f"{type(cache.tree_core).__name__}); set {TREE_CORE_ENV}=python"
+        )
+
+
+def _after_cache_reset(result: Any, cache: Any) -> None:
+    # A flush rebuilt KVCR empty: nothing indexed is stored externally any more.
+    stored = stored_marks.stored_pages(_backend(cache))
+    if stored is not None:
+        stored.reset()
+
+
+def _around_weight_update(
+    original: Callable[..., Any], manager: Any, recv_req: Any, *args: Any, **kw: Any
+) -> Any:
+    """Tell the backend before the weights change; a failed update leaves them
+    unknown (partly loaded, or rolled back), so it is announced again as such."""
+    scheduler = getattr(manager, "scheduler", None)
+    tree_cache = getattr(scheduler, "tree_cache", None)
+    backend = None if tree_cache is None else _backend(tree_cache)
+    if backend is None:
+        return original(manager, recv_req, *args, **kw)
+    source = original.__name__.removeprefix("update_weights_from_")
+    if not _changes_weights(source, manager, recv_req):
+        return original(manager, recv_req, *args, **kw)
+    changing = linker_hook(backend, "weights_changing")
+    if source == "disk":
+        changing(source, recv_req.model_path, recv_req.load_format)
+    else:
+        changing(source)
+    result = original(manager, recv_req, *args, **kw)
+    if getattr(result, "success", True) is False:
+        changing(f"{source} (failed)")
+    return result
+
+
+def _changes_weights(source: str, manager: Any, recv_req: Any) -> bool:
+    """Whether this weight-manager call replaces the served weights."""
+    if source == "end_weight_update":
+        # Loads inside the session flushed (and so re-keyed) already; only a
+        # session without one (P2P/RDMA writes) changed the weights unseen.
+        session = getattr(manager, "_session", None)
+        return session is not None and not getattr(session, "loaded_weights", False)
+    if source == "check_weights":
+        return getattr(recv_req, "action", None) == "reset_tensors"
+    if source == "resume_memory_occupation":
+        from sglang.srt.constants import GPU_MEMORY_TYPE_WEIGHTS
+
+        tags = getattr(recv_req, "tags", None)
+        weights = not tags or GPU_MEMORY_TYPE_WEIGHTS in tags
+        return weights and not _weights_backed_up()
+    return True
+
+
+def _weights_backed_up() -> bool:
+    """Whether released weights are restored from a CPU copy (then a resume
+    brings back exactly the weights that were served)."""
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        return bool(get_exec().features.enable_weights_cpu_backup)
+    except Exception:  # not published in this process: assume no backup
+        return False
+
+
+def _around_commit_completed_offloads(
+    original: Callable[..., Any], wrapper: Any, successes: Iterable[bool]
+) -> Any:
+    backend = wrapper.cache_linker
+    if not linker_hook(backend, "publishes_external_events"):
+        return original(wrapper, successes)
+    successes = list(successes)
+    published = [p.publish_node_ids for p in wrapper.pending_offloads[: len(successes)]]
+    result = original(wrapper, successes)
+    core = wrapper.cache.tree_core
+    stored = stored_marks.stored_pages(backend)
+    evicted: list[str] = []
+    for ok, node_ids in zip(successes, published, strict=True):
+        if not ok:
+            continue
+        for node_id in node_ids:
+            node = _node(core, node_id)
+            if node is not None:
+                evicted += stored_marks.committed(core, node, stored)
+    if evicted:
+        clear_stored_marks(wrapper.cache, evicted)
+    return result
+
+
+def _after_check_hicache_events(result: Any, cache: Any) -> None:
+    backend = _backend(cache)
+    if backend is None or not linker_hook(backend, "publishes_external_events"):
+        return
+    removed = linker_hook(backend, "take_removed_page_hashes")()
+    union = stored_marks.gather_union(cache, removed)
+    if union:
+        clear_stored_marks(cache, union)
+
+
+def clear_stored_marks(cache: Any, page_hashes: list[str]) -> int:
+    """Clear the stored marks of ``page_hashes`` KVCR evicted (stored_marks)."""
+    stored = stored_marks.stored_pages(_backend(cache))
+    if stored is None:
+        return 0
+    return stored.clear(cache.tree_core, page_hashes)
+
+
+def nccl_group_over(group: Any) -> Any:
+    """SGLang's NCCL group over ``group``'s ranks (collective over the world)."""
+    from sglang.srt.distributed import parallel_state
+
+    ranks = list(torch.distributed.get_process_group_ranks(group))
+    return parallel_state.create_custom_parallel_group(ranks, backend="nccl")
+
+
+def _node(core: Any, node_id: Any) -> Any:
+    try:
+        return core.node_by_id(node_id)
+    except (KeyError, IndexError):
+        return None
