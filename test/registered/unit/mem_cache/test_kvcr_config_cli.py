@@ -33,12 +33,12 @@ from cpu_harness.server import (
     server_env,
 )
 from cpu_harness.tiny_model import ensure_tiny_model
+from sglang.srt.mem_cache.storage.kvcr.config import one_line_errors
 from sglang.srt.mem_cache.storage.kvcr.config.errors import (
     KVCRAdapterFailed,
     KVCRConfigError,
     KVCRUnavailableError,
 )
-from sglang.srt.mem_cache.storage.kvcr.config import one_line_errors
 from sglang.srt.mem_cache.storage.kvcr.config.linker_config import KVCRLinkerConfig
 
 pytestmark = pytest.mark.server
