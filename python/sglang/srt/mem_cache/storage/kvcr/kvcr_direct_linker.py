@@ -42,6 +42,7 @@ from sglang.srt.mem_cache.storage.kvcr.observability.linker_stats import (
 )
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_adapter import KVCRAdapter
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
+    ClaimId,
     InventoryChange,
     OpKind,
 )
@@ -213,7 +214,7 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
         """Residency claims KVCR holds for this linker (what it must release)."""
         return self._adapter.claims_outstanding()
 
-    def _release_all(self, claims: list[int] | None = None) -> None:
+    def _release_all(self, claims: list[ClaimId] | None = None) -> None:
         self.session.release([*(claims or ()), *self.preparations.release_all()])
         self._adapter.wait_idle(self.config.owner_wait_timeout_s)
         self._pump()

@@ -26,6 +26,7 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     Deposit,
     EntryStatus,
     OpDone,
+    OpId,
 )
 
 logger = logging.getLogger(__name__)
@@ -81,8 +82,8 @@ class OffloadQueue:
 
     def __init__(self) -> None:
         self._fifo: collections.deque[OffloadRecord] = collections.deque()
-        self._pending: dict[int, OffloadRecord] = {}  # deposit op -> its offload
-        self._staged: dict[int, tuple[int, ...]] = {}  # deposit op -> staging slots
+        self._pending: dict[OpId, OffloadRecord] = {}  # deposit op -> its offload
+        self._staged: dict[OpId, tuple[int, ...]] = {}  # deposit op -> staging slots
         self._deferred: list[DeferredOffload] = []
 
     def __len__(self) -> int:
@@ -102,7 +103,7 @@ class OffloadQueue:
         self._deferred = [d for d in self._deferred if d.record is not record]
 
     def track(
-        self, op_id: int, record: OffloadRecord, slots: tuple[int, ...] | None = None
+        self, op_id: OpId, record: OffloadRecord, slots: tuple[int, ...] | None = None
     ) -> None:
         """Deposit ``op_id`` belongs to ``record`` (and holds staging ``slots``)."""
         self._pending[op_id] = record
@@ -185,7 +186,7 @@ def split_deposits(
     block_key: Callable[[str, str], bytes],
     agent: str,
     pool_page_bytes: dict[str, int],
-    next_op_id: Callable[[], int],
+    next_op_id: Callable[[], OpId],
 ) -> list[Deposit]:
     """The deposits of one ready direct-path offload. Large ones go as
     ``DEPOSIT_PARTS`` deposits (window pages with the half their page falls in),

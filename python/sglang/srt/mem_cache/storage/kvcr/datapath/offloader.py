@@ -51,7 +51,7 @@ class Offloader:
     def __init__(
         self,
         *,
-        layout: Any,
+        layout: PageLayout,
         page_size: int,
         staging: HostStaging | None,
         device: DeviceBinding,

@@ -33,6 +33,8 @@ from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
     DeviceBinding,
     wait_fences,
 )
+from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import PageLayout
+from sglang.srt.mem_cache.storage.kvcr.layout.rank_placement import RankPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +42,7 @@ logger = logging.getLogger(__name__)
 CHUNK_BYTES = 64 << 20
 
 
-def stores_once(layout: Any, shard_size: int) -> bool:
+def stores_once(layout: PageLayout, shard_size: int) -> bool:
     """Whether one rank of the attention group stores the pages for all: the
     group is rank-replicated, TP > 1, and every pool needs all pages (trailing
     SWA or Mamba pools keep every rank storing its own)."""
@@ -51,7 +53,7 @@ def stores_once(layout: Any, shard_size: int) -> bool:
     )
 
 
-def dram_ranks(placement: Any, once: bool) -> int:
+def dram_ranks(placement: RankPlacement, once: bool) -> int:
     """The ranks this node's DRAM is divided by: every attention rank, or only
     the owners when followers hold none (``once``: see ``stores_once``)."""
     if not once:
@@ -59,7 +61,7 @@ def dram_ranks(placement: Any, once: bool) -> int:
     return max(1, placement.ranks_on_node // placement.shard_size)
 
 
-def dest_rows_of(layout: Any, page_size: int) -> dict[str, list[torch.Tensor]]:
+def dest_rows_of(layout: PageLayout, page_size: int) -> dict[str, list[torch.Tensor]]:
     """Per pool, each part's byte rows (one row a page), as restores write them."""
     from sglang.srt.mem_cache.storage.kvcr.datapath.device_pages import page_rows
 
@@ -72,7 +74,7 @@ def dest_rows_of(layout: Any, page_size: int) -> dict[str, list[torch.Tensor]]:
     }
 
 
-def broadcast_group(params: Any, layout: Any) -> tuple[Any, int]:
+def broadcast_group(params: Any, layout: PageLayout) -> tuple[Any, int]:
     """(group, the owner's global rank) for the broadcast: the attention group
     the cache reduces over for CPU pools, an NCCL group over its ranks for CUDA
     pools (collective: every rank of the world builds it at the same point)."""
@@ -107,7 +109,7 @@ class ReplicaBroadcast:
 
     def __init__(
         self,
-        layout: Any,
+        layout: PageLayout,
         dest_rows: dict[str, list[torch.Tensor]],
         group: Any,
         src_global_rank: int,

@@ -35,10 +35,12 @@ from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
     drain,
     wait_fences,
 )
+from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import PageLayout
 from sglang.srt.mem_cache.storage.kvcr.observability.linker_stats import (
     LinkerStats,
     Sample,
 )
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import ClaimId
 from sglang.srt.mem_cache.storage.kvcr.owner.quarantine import KVCRDram
 from sglang.srt.mem_cache.storage.kvcr.requests.preparation import Preparation
 
@@ -57,7 +59,7 @@ class LoadJob:
     # device, empty unless complete), and slot element indices [page][part]
     dest_pages: dict[str, torch.Tensor]
     slots: dict[str, list[tuple[int, ...]]]
-    claims: list[int]
+    claims: list[ClaimId]
     complete: bool  # every page claimed in every pool; else nothing is copied
 
 
@@ -65,7 +67,7 @@ def plan_load(
     rid: str,
     prep: Preparation | None,
     by_source: dict[str, PoolTransfer],
-    layout: Any,
+    layout: PageLayout,
     page_size: int,
 ) -> LoadJob:
     """The job restoring the KV transfer's pages (and each trailing pool's from
@@ -74,7 +76,7 @@ def plan_load(
     kv = by_source["kv"]
     page_hashes = list(kv.keys or ())
     slots: dict[str, list[tuple[int, ...]]] = {p.name: [] for p in layout.pools}
-    claims: list[int] = []
+    claims: list[ClaimId] = []
     complete = prep is not None
     # Trailing pools restore their transfer's pages: the tail's last ones.
     trailing: dict[str, dict[str, int]] = {}
@@ -121,7 +123,7 @@ def plan_transfers(
     rid: str,
     prep: Preparation | None,
     transfers: list[PoolTransfer],
-    layout: Any,
+    layout: PageLayout,
     page_size: int,
 ) -> LoadJob | None:
     """``plan_load`` over SGLang's load transfers; None when there is nothing to
@@ -134,7 +136,7 @@ def plan_transfers(
 
 
 def loadable_sources(
-    rid: str, transfers: list[PoolTransfer], layout: Any, page_size: int
+    rid: str, transfers: list[PoolTransfer], layout: PageLayout, page_size: int
 ) -> dict[str, PoolTransfer] | None:
     """The load transfers by name, or None when ``plan_transfers`` refuses them
     (no KV pages, or slot indices that do not cover them)."""
@@ -160,7 +162,7 @@ class Restorer:
     def __init__(
         self,
         *,
-        layout: Any,
+        layout: PageLayout,
         device: DeviceBinding,
         dram: KVCRDram,
         dest_rows: dict[str, list[torch.Tensor]],
@@ -196,7 +198,7 @@ class Restorer:
     def paused(self) -> bool:
         return time.monotonic() < self._paused_until
 
-    def queue(self, job: LoadJob, pages: int) -> list[int]:
+    def queue(self, job: LoadJob, pages: int) -> list[ClaimId]:
         """Queue ``job`` (a load of ``pages`` pages); the claims of a job it
         replaces (to release)."""
         self.stats.loads += 1
@@ -207,7 +209,7 @@ class Restorer:
         self._queued[job.rid] = job
         return [] if old is None else old.claims
 
-    def cancel(self, rid: str) -> list[int] | None:
+    def cancel(self, rid: str) -> list[ClaimId] | None:
         """Drop ``rid``'s queued job; the claims it held (None if none queued)."""
         job = self._queued.pop(rid, None)
         return None if job is None else job.claims
@@ -234,7 +236,7 @@ class Restorer:
             self.run_copy(index, jobs)
         return index
 
-    def finish(self, index: int) -> tuple[dict[str, bool], list[int]]:
+    def finish(self, index: int) -> tuple[dict[str, bool], list[ClaimId]]:
         """Wait for batch ``index``: whether each request's KV landed, and the
         claims to release. A job missing claims copied nothing and fails alone; a
         failed copy fails every job of the batch (any page may be partial)."""
@@ -252,7 +254,7 @@ class Restorer:
         claims = [c for job in jobs for c in job.claims]
         return {job.rid: ok and job.complete for job in jobs}, claims
 
-    def quiesce(self, timeout_s: float) -> tuple[bool, list[int]]:
+    def quiesce(self, timeout_s: float) -> tuple[bool, list[ClaimId]]:
         """Finish every started batch within ``timeout_s``: (whether none is
         still copying at the deadline, the claims of what finished or was
         queued). A batch still copying keeps its DRAM and slots in use: the

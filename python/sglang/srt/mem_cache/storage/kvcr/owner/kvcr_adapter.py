@@ -45,6 +45,7 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     InventoryChange,
     NoPinFramework,
     OpDone,
+    OpId,
     Release,
     budget_of,
     charge,
@@ -136,8 +137,8 @@ class KVCRAdapter:
     def owner_thread(self) -> threading.Thread:
         return self._thread
 
-    def next_op_id(self) -> int:
-        return next(self._op_ids)
+    def next_op_id(self) -> OpId:
+        return OpId(next(self._op_ids))
 
     def submit(self, command: Deposit | Fetch | Release | DiscardHint) -> None:
         """Enqueue a command; results arrive through ``drain``."""

@@ -1,7 +1,7 @@
 """The typed values exchanged with the owner-thread adapter (kvcr_adapter).
 
-Commands the scheduler thread enqueues (``Deposit``, ``Fetch``, ``Release``,
-``DiscardHint``), results it drains (``OpDone`` with one ``EntryResult`` per key,
+Operation and claim ids (``OpId``, ``ClaimId``), commands the scheduler thread
+enqueues (``Deposit``, ``Fetch``, ``Release``, ``DiscardHint``), results it drains (``OpDone`` with one ``EntryResult`` per key,
 ``InventoryChange``), the adapter's limits and counters, and the callbacks the
 KVCR factory receives. Frozen slotted dataclasses and enums only: no behaviour.
 """
@@ -12,7 +12,10 @@ import dataclasses
 import enum
 import itertools
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, NewType
+
+OpId = NewType("OpId", int)  # one deposit or fetch (KVCRAdapter.next_op_id)
+ClaimId = NewType("ClaimId", int)  # a residency claim KVCR holds; released once
 
 
 class OpKind(enum.Enum):
@@ -38,12 +41,12 @@ class EntryStatus(enum.Enum):
 class EntryResult:
     status: EntryStatus
     slots: tuple[Any, ...] | None = None  # kvcr MemoryRefs into KVCR DRAM
-    claim: int | None = None  # release handle; must be released exactly once
+    claim: ClaimId | None = None  # release handle; must be released exactly once
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OpDone:
-    op_id: int
+    op_id: OpId
     kind: OpKind
     entries: Mapping[bytes, EntryResult]
 
@@ -56,14 +59,14 @@ class InventoryChange:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Deposit:
-    op_id: int
+    op_id: OpId
     blocks: Mapping[bytes, list[Any]]
     nbytes: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Fetch:
-    op_id: int
+    op_id: OpId
     keys: tuple[bytes, ...]
     request_id: str
     expected_layout: tuple[str, ...]
@@ -73,7 +76,7 @@ class Fetch:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Release:
-    claims: tuple[int, ...]
+    claims: tuple[ClaimId, ...]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

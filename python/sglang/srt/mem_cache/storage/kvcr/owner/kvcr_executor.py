@@ -25,6 +25,7 @@ from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_patches
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     AdapterStats,
     Budget,
+    ClaimId,
     Deposit,
     DiscardHint,
     EntryResult,
@@ -33,6 +34,7 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     InventoryChange,
     NoPinFramework,
     OpDone,
+    OpId,
     OpKind,
     Release,
 )
@@ -57,7 +59,7 @@ class Call:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Inflight:
     kind: OpKind
-    op_id: int
+    op_id: OpId
     budget: Budget
     nbytes: int
 
@@ -140,7 +142,7 @@ class CommandExecutor:
                 except BaseException as exc:
                     command.future.set_exception(exc)
 
-    def _track(self, handle: int, kind: OpKind, op_id: int, nbytes: int) -> None:
+    def _track(self, handle: int, kind: OpKind, op_id: OpId, nbytes: int) -> None:
         budget = Budget.OFFLOAD if kind is OpKind.DEPOSIT else Budget.PREPARE
         self.inflight[handle] = Inflight(kind, op_id, budget, nbytes)
 
@@ -174,4 +176,5 @@ class CommandExecutor:
 def _entry(result: Any) -> EntryResult:
     status = EntryStatus[result.status.name]
     slots = tuple(result.descriptors) if result.descriptors else None
-    return EntryResult(status, slots, result.release_handle)
+    claim = None if result.release_handle is None else ClaimId(result.release_handle)
+    return EntryResult(status, slots, claim)

@@ -28,6 +28,7 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_adapter import KVCRAdapter
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     AdapterLimits,
     AdapterStats,
+    ClaimId,
     Deposit,
     DiscardHint,
     Fetch,
@@ -106,7 +107,7 @@ class KVCRSession:
         args = kvcr_factory.factory_args(layout, config, port, dram, framework_regions)
         return cls(config, dram, args, placement.label())
 
-    def log_up(self, placement: Any, layout: PageLayout) -> None:
+    def log_up(self, placement: RankPlacement, layout: PageLayout) -> None:
         logger.info(
             "KVCR direct linker up: agent=%s endpoint=%s (%s) digest=%s pools=%s",
             self.agent,
@@ -169,7 +170,7 @@ class KVCRSession:
         for command in commands:
             self.adapter.submit(command)
 
-    def release(self, claims: Sequence[int] | None) -> None:
+    def release(self, claims: Sequence[ClaimId] | None) -> None:
         """Give KVCR back these residency claims (nothing when there are none)."""
         if claims:
             self.adapter.submit(Release(tuple(claims)))

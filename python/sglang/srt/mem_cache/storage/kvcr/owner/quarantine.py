@@ -16,20 +16,29 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from sglang.srt.mem_cache.storage.kvcr.device.host_memory import HostMemory
+from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import CapacityPlan
 from sglang.srt.mem_cache.storage.kvcr.observability.linker_stats import DramGauges
 from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_patches
 
 logger = logging.getLogger(__name__)
 
 
+class Reclaimable(Protocol):
+    """A closed core (``KVCRAdapter``) whose KVCR may still be running."""
+
+    def reclaim(self, timeout_s: float) -> bool:
+        """Whether it has proven quiescent and closed since."""
+        ...
+
+
 @dataclasses.dataclass(slots=True)
 class _Held:
-    core: Any  # a closed KVCRAdapter whose KVCR may still be running
+    core: Reclaimable
     storage: dict[str, torch.Tensor]
     reclaimable: bool = True  # False: something else (a copy) may still use it
 
@@ -94,7 +103,10 @@ class Quarantine:
         return sum(t.numel() for h in self._held for t in h.storage.values())
 
     def add(
-        self, core: Any, storage: dict[str, torch.Tensor], reclaimable: bool = True
+        self,
+        core: Reclaimable,
+        storage: dict[str, torch.Tensor],
+        reclaimable: bool = True,
     ) -> None:
         """Quarantine ``core`` (closed uncleanly) with the DRAM it may write;
         ``reclaimable=False`` when more than the core may still touch it."""
@@ -134,8 +146,7 @@ class KVCRDram:
     ``max_cores`` quarantined cores, ``peer_fetches_off`` says peer fetches
     stop; it clears once reclaiming brings the count back under the bound."""
 
-    def __init__(self, memory: HostMemory, plan: Any, max_cores: int) -> None:
-        """``plan``: the rank's page_layout.CapacityPlan."""
+    def __init__(self, memory: HostMemory, plan: CapacityPlan, max_cores: int) -> None:
         self.memory = memory
         self.storage = {pool.name: memory.alloc(pool.bytes) for pool in plan.pools}
         # One whole page of each pool (every part), what a disabled core gets.
@@ -149,7 +160,11 @@ class KVCRDram:
         self.disabled = False
 
     def flush(
-        self, old_core: Any, clean: bool, timeout_s: float, reclaimable: bool = True
+        self,
+        old_core: Reclaimable,
+        clean: bool,
+        timeout_s: float,
+        reclaimable: bool = True,
     ) -> bool:
         """The core was closed (``clean``: provably quiescent; ``reclaimable``:
         nothing but the core may still touch the DRAM); returns whether the

@@ -17,6 +17,8 @@ from typing import Any
 
 from sglang.srt.mem_cache.hicache_storage import PoolName
 
+from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import PageLayout
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PoolFetch:
@@ -61,7 +63,7 @@ def plan_fetches(
     pages: list[str],
     hinted: frozenset[str],
     residency: Any,
-    layout: Any,
+    layout: PageLayout,
     object_bytes: dict[str, int],
     chunk: int,
 ) -> list[PoolFetch]:
@@ -109,7 +111,11 @@ def wanted_pages(
 
 
 def restorable_boundaries(
-    prep: Any, start: int, tail: list[str], layout: Any, windows: dict[str, int] | int
+    prep: Any,
+    start: int,
+    tail: list[str],
+    layout: PageLayout,
+    windows: dict[str, int] | int,
 ) -> list[int]:
     """Boundaries of ``tail`` restorable from ``prep``'s claims under every hit
     policy: full pools for all pages, and each trailing source's pools (SWA,

@@ -20,16 +20,19 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import PageLayout
 from sglang.srt.mem_cache.storage.kvcr.observability.linker_stats import (
     LinkerStats,
     PreparationGauges,
     Sample,
 )
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
+    ClaimId,
     DiscardHint,
     EntryStatus,
     Fetch,
     OpDone,
+    OpId,
     Release,
 )
 from sglang.srt.mem_cache.storage.kvcr.requests.fetch_plan import (
@@ -62,7 +65,7 @@ class ClaimedPage:
     """One pool's object of one page, claimed in KVCR DRAM: the claim to release
     and the DRAM slot (element index) of each of its parts."""
 
-    claim: int
+    claim: ClaimId
     slots: tuple[int, ...]
 
 
@@ -83,7 +86,7 @@ class Preparation:
     deadline: float
     state: PrepState = PrepState.FETCHING
     started: float = dataclasses.field(default_factory=time.monotonic)
-    pending_ops: set[int] = dataclasses.field(default_factory=set)
+    pending_ops: set[OpId] = dataclasses.field(default_factory=set)
     # page index -> {pool name: its claimed object}
     landed: dict[int, dict[str, ClaimedPage]] = dataclasses.field(default_factory=dict)
     hinted: bool = False
@@ -130,7 +133,7 @@ class Preparation:
                 out.append(b)
         return out
 
-    def claims(self) -> list[int]:
+    def claims(self) -> list[ClaimId]:
         return [page.claim for objs in self.landed.values() for page in objs.values()]
 
 
@@ -149,8 +152,8 @@ class Preparations:
         self.stats = stats
         self._preps: dict[str, Preparation] = {}
         self._held: dict[str, _Held] = {}  # rid -> held by the readiness gate
-        self._owners: dict[int, FetchOwner] = {}  # fetch op -> owner
-        self._abandoned: dict[int, int] = {}  # fetch op of a dropped prep -> bytes
+        self._owners: dict[OpId, FetchOwner] = {}  # fetch op -> owner
+        self._abandoned: dict[OpId, int] = {}  # fetch op of a dropped prep -> bytes
 
     def get(self, rid: str) -> Preparation | None:
         return self._preps.get(rid)
@@ -180,10 +183,10 @@ class Preparations:
         page_hashes: list[str],
         hint: Any,
         residency: Any,
-        layout: Any,
+        layout: PageLayout,
         cfg: Any,
         refuse: bool,
-        next_op_id: Callable[[], int],
+        next_op_id: Callable[[], OpId],
     ) -> list[Command]:
         """Prepare ``ctx``'s tail: claim its leading resident or hinted pages
         (``hint``: a router_hint.RequestHint). Nothing is fetched when ``refuse``
@@ -219,7 +222,7 @@ class Preparations:
         self,
         prep: Preparation,
         fetches: Iterable[PoolFetch],
-        next_op_id: Callable[[], int],
+        next_op_id: Callable[[], OpId],
         envelope: Any,
     ) -> list[Command]:
         """The ``Fetch`` commands of ``prep``'s pool fetches, in order; the hint
@@ -255,7 +258,7 @@ class Preparations:
         owner = self._owners.pop(done.op_id, None)
         self._abandoned.pop(done.op_id, None)
         prep = self._preps.get(owner.rid) if owner is not None else None
-        late: list[int] = []
+        late: list[ClaimId] = []
         if (
             prep is None
             or prep.state is PrepState.RELEASED
@@ -304,7 +307,7 @@ class Preparations:
         rid: str,
         page_hashes: list[str],
         window: dict[str, int] | int,
-        layout: Any,
+        layout: PageLayout,
         residency: Any,
     ) -> tuple[list[int], list[Command]]:
         """The restorable boundaries of ``rid``'s tail from its claims (``window``:
@@ -411,9 +414,9 @@ class Preparations:
             commands.append(DiscardHint(str(prep.ctx.handle)))
         return commands
 
-    def release_all(self) -> list[int]:
+    def release_all(self) -> list[ClaimId]:
         """Drop every preparation; the claims they held (for one ``Release``)."""
-        claims: list[int] = []
+        claims: list[ClaimId] = []
         for prep in self._preps.values():
             claims.extend(prep.claims())
             prep.landed.clear()
@@ -425,7 +428,7 @@ class Preparations:
         """Bytes still being fetched for preparations that were dropped."""
         return sum(self._abandoned.values())
 
-    def abandon(self, op_id: int, owner: FetchOwner) -> None:
+    def abandon(self, op_id: OpId, owner: FetchOwner) -> None:
         """Record an op whose preparation is gone (its claim still to resolve)."""
         self._owners[op_id] = owner
         self._abandoned[op_id] = owner.claimed_bytes

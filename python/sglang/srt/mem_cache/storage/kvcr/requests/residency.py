@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import PageLayout
 from sglang.srt.mem_cache.storage.kvcr.observability.linker_stats import (
     ResidencyGauges,
 )
@@ -23,7 +24,7 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import InventoryChang
 class Residency:
     """Resident KVCR keys of one rank and the pages evicted since last taken."""
 
-    def __init__(self, layout: Any) -> None:
+    def __init__(self, layout: PageLayout) -> None:
         self.layout = layout
         self._keys: set[bytes] = set()
         self._removed: list[str] = []
@@ -78,7 +79,7 @@ class Residency:
         removed, self._removed = self._removed, []
         return removed
 
-    def reset(self, layout: Any) -> None:
+    def reset(self, layout: PageLayout) -> None:
         """Empty, keyed by ``layout`` (a flush rebuilt KVCR)."""
         self.layout = layout
         self._keys.clear()
@@ -91,5 +92,5 @@ class Residency:
         return self._sizes.get(key.rpartition(b"#")[2], 0)
 
 
-def _object_sizes(layout: Any) -> dict[bytes, int]:
+def _object_sizes(layout: PageLayout) -> dict[bytes, int]:
     return {name.encode(): n for name, n in layout.object_bytes.items()}
