@@ -140,7 +140,7 @@ def make_kvcr_factory(
             )
         policy = LRUPolicy() if eviction_policy == "lru" else FIFOPolicy()
         try:
-            with kvcr_patches.progress_thread_setting(nixl_progress_thread):
+            with kvcr_patches.nixl_agent_settings(nixl_progress_thread):
                 kv = KVCR(
                     KVCRConfig(
                         nixl_agent_name=agent_name,

@@ -11,8 +11,14 @@ for SGLang's).
   idle period. ``progress_idle_ms = 0`` leaves kvcr's own loop untouched. kvcr
   offers no such setting, so ``_KVCRProgress._run_one_iteration`` is wrapped once
   per process.
-- NIXL's busy-polling progress thread on or off (``nixl_progress_thread``): kvcr
-  offers no switch, so its ``nixl_agent_config`` is wrapped once.
+- NIXL's busy-polling progress thread on or off (``nixl_progress_thread``), and
+  NIXL's metadata listener always off: kvcr offers no switch, so its
+  ``nixl_agent_config`` is wrapped once (``nixl_agent_settings``). kvcr starts the
+  listener (``enable_listen_thread=True``), which NIXL binds on every address and
+  which answers agent metadata to, loads metadata from and disconnects peers for
+  anyone who reaches it; kvcr never uses it (metadata travels in its control
+  messages), so it is turned off, with the thread-safe sync mode NIXL would have
+  derived from the listener kept explicitly.
 - The inbound check on kvcr's ``ZmqPeerControlChannel`` (``guarded_channel_class``,
   see control_auth): a subclass that swaps kvcr's unchecked PULL socket for one
   guarded by a ZAP handler, and dials peers with the guard's options.
@@ -105,32 +111,54 @@ _progress_enabled = True
 _progress_patched = False
 
 
-class progress_thread_setting:
-    """Build a KVCR with NIXL's busy-polling progress thread on or off; the lock
-    makes the setting per construction."""
+class nixl_agent_settings:
+    """Build a KVCR with NIXL's busy-polling progress thread on or off and its
+    metadata listener off; the lock makes the setting per construction."""
 
-    def __init__(self, enabled: bool) -> None:
-        self._enabled = enabled
+    def __init__(self, progress_thread: bool) -> None:
+        self._enabled = progress_thread
 
     def __enter__(self) -> None:
         global _progress_enabled, _progress_patched
         _PROGRESS_LOCK.acquire()
-        if not _progress_patched:
-            import kvcr.progress as progress
-
-            original = progress.nixl_agent_config
-
-            def config(*args: Any, **kwargs: Any) -> Any:
-                return original(
-                    *args, **{**kwargs, "enable_prog_thread": _progress_enabled}
-                )
-
-            progress.nixl_agent_config = config
-            _progress_patched = True
+        try:
+            if not _progress_patched:
+                _wrap_nixl_agent_config()
+                _progress_patched = True
+        except BaseException:
+            _PROGRESS_LOCK.release()
+            raise
         _progress_enabled = self._enabled
 
     def __exit__(self, *exc: object) -> None:
         _PROGRESS_LOCK.release()
+
+
+def _wrap_nixl_agent_config() -> None:
+    from nixl._api import nixl_thread_sync_t
+
+    import kvcr.progress as progress
+
+    original = getattr(progress, "nixl_agent_config", None)
+    if original is None:  # kvcr changed how it builds its agent: refuse to guess
+        raise RuntimeError(
+            "kvcr.progress.nixl_agent_config not found: this plugin supports "
+            "kvcr==0.1.1 only (it turns NIXL's metadata listener off there)"
+        )
+
+    def config(*args: Any, **kwargs: Any) -> Any:
+        return original(
+            *args,
+            **{
+                **kwargs,
+                "enable_prog_thread": _progress_enabled,
+                "enable_listen_thread": False,
+                # What NIXL derives from a listener; kept without one.
+                "sync_mode": nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+            },
+        )
+
+    progress.nixl_agent_config = config
 
 
 def core_is_quiescent(kv: Any) -> bool:
