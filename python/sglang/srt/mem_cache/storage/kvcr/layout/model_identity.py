@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import uuid
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # Small files read in full: what the model runs under, and how weights are split.
 CONFIG_FILES = ("config.json",)
@@ -113,19 +116,43 @@ def _hash_cache_path() -> Path:
 
 
 def _hash_cache() -> dict[str, str]:
+    """The cached weight hashes, when only this user can have written them: a
+    file another user (or anyone, through the mode of it or its directory) could
+    write would let them forge the identity; then every file is hashed again."""
+    path = _hash_cache_path()
     try:
-        loaded = json.loads(_hash_cache_path().read_text())
+        if not (_private(path) and _private(path.parent)):
+            if str(path) not in _DISTRUSTED:
+                _DISTRUSTED.add(str(path))
+                logger.warning(
+                    "KVCR: ignoring weight-hash cache %s: not owned by this user "
+                    "or writable by others (chmod go-w, or set "
+                    "SGLANG_KVCR_CACHE_DIR)",
+                    path,
+                )
+            return {}
+        loaded = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
     return loaded if isinstance(loaded, dict) else {}
 
 
+_DISTRUSTED: set[str] = set()  # caches already warned about
+
+
+def _private(path: Path) -> bool:
+    """Owned by this process's user and writable by no one else."""
+    st = path.stat()
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
 def _save_hash_cache(cache: dict[str, str]) -> None:
     path = _hash_cache_path()
     try:  # best effort: a read-only home only costs a re-read next start
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(cache))
+        tmp.chmod(0o600)  # only this user may write what it trusts next start
         os.replace(tmp, path)
     except OSError:
         pass

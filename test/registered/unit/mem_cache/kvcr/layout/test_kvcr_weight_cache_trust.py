@@ -1,0 +1,48 @@
+"""The weight-hash cache is trusted only when no one but this user could write it.
+
+A page's digest covers the checkpoint's content hash, cached across starts in
+``SGLANG_KVCR_CACHE_DIR``. A cache another user could write would let them pair
+this worker's weights with any digest they like (another model's pages admitted
+as this one's); such a cache is ignored and the weights are hashed again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+from sglang.srt.mem_cache.storage.kvcr.layout import model_identity
+
+
+def _setup(tmp_path, monkeypatch):
+    cache_dir = tmp_path / "cache"
+    monkeypatch.setenv("SGLANG_KVCR_CACHE_DIR", str(cache_dir))
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"real weights " * 100)
+    real = hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert model_identity._full_sha256(weights) == real  # computed and cached
+    cache = cache_dir / "weight_sha256.json"
+    forged = dict.fromkeys(json.loads(cache.read_text()), "f" * 64)
+    cache.write_text(json.dumps(forged))
+    return weights, real, cache
+
+
+def test_the_cache_is_written_private_and_read_back(tmp_path, monkeypatch):
+    weights, _, cache = _setup(tmp_path, monkeypatch)
+    assert cache.stat().st_mode & 0o077 == 0
+    assert cache.parent.stat().st_mode & 0o077 == 0
+    # Private: what it holds is believed (the forged entry stands for the file).
+    assert model_identity._full_sha256(weights) == "f" * 64
+
+
+def test_a_cache_others_may_write_is_ignored(tmp_path, monkeypatch):
+    weights, real, cache = _setup(tmp_path, monkeypatch)
+    os.chmod(cache, 0o666)
+    assert model_identity._full_sha256(weights) == real
+
+
+def test_a_cache_in_a_directory_others_may_write_is_ignored(tmp_path, monkeypatch):
+    weights, real, cache = _setup(tmp_path, monkeypatch)
+    os.chmod(cache.parent, 0o777)
+    assert model_identity._full_sha256(weights) == real
