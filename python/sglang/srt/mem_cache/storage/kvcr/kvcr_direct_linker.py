@@ -29,7 +29,6 @@ from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRUnavailableError
 from sglang.srt.mem_cache.storage.kvcr.datapath.offloader import Offloader
 from sglang.srt.mem_cache.storage.kvcr.datapath.restore import Restorer, plan_transfers
 from sglang.srt.mem_cache.storage.kvcr.fleet.router_hint import (
-    EndpointAllowlist,
     RouterHintParser,
     request_hint,
 )
@@ -109,10 +108,7 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
                     self.stats_snapshot,
                 ),
             )
-            self.hints = RouterHintParser(
-                EndpointAllowlist.from_config(cfg),
-                rank_offset=self.placement.shard_rank,
-            )
+            self.hints = RouterHintParser.from_config(cfg, self.placement.shard_rank)
             self.preparations = Preparations(self.stats)
             self.residency = Residency(self.layout)
             self.offloader = Offloader(

@@ -187,6 +187,16 @@ class KVCRLinkerConfig:
         default="lru",
         metadata=_doc("KVCR DRAM eviction policy: 'lru' or 'fifo'."),
     )
+    accept_request_hints: bool = dataclasses.field(
+        default=True,
+        metadata=_doc(
+            "Whether kv.fetch hints on requests (SGLang's kv_hints on /generate) "
+            "are used. SGLang takes them from any client that reaches the worker: "
+            "set false where clients can reach workers without a router that "
+            "strips them, or where no router sends hints. Every hint is then "
+            "ignored and counted as 'disabled'; local restores are unchanged."
+        ),
+    )
     peer_endpoint_allowlist: tuple[str, ...] = dataclasses.field(
         default=(),
         metadata=_doc(
@@ -243,8 +253,9 @@ class KVCRLinkerConfig:
             raise config_error("owner_wait_timeout_s", "must be a number of seconds")
         if not 0 < wait <= 3600:
             raise config_error("owner_wait_timeout_s", "must be in (0, 3600] seconds")
-        if not isinstance(self.nixl_progress_thread, bool):
-            raise config_error("nixl_progress_thread", "must be true or false")
+        for flag in ("nixl_progress_thread", "accept_request_hints"):
+            if not isinstance(getattr(self, flag), bool):
+                raise config_error(flag, "must be true or false")
         require_int("progress_idle_ms", self.progress_idle_ms, minimum=0, maximum=1000)
         require_int(
             "max_quarantined_cores", self.max_quarantined_cores, minimum=0, maximum=64

@@ -48,6 +48,7 @@ class HintRejection(enum.Enum):
     EMPTY_HASHES = "empty_hashes"
     TOO_MANY_HASHES = "too_many_hashes"
     BAD_HASH = "bad_hash"
+    DISABLED = "disabled"  # accept_request_hints is false
 
 
 _R = HintRejection
@@ -126,19 +127,37 @@ class RouterHintParser:
     """Parses ``req.kv_hints`` into this rank's ``FetchHint``; never raises."""
 
     def __init__(
-        self, allowlist: EndpointAllowlist, rank_offset: int, max_hashes: int = 65536
+        self,
+        allowlist: EndpointAllowlist,
+        rank_offset: int,
+        max_hashes: int = 65536,
+        enabled: bool = True,
     ) -> None:
-        """``rank_offset``: this rank's attention-TP offset (it listens at port+r)."""
+        """``rank_offset``: this rank's attention-TP offset (it listens at port+r);
+        ``enabled`` False ignores every hint (``accept_request_hints``)."""
         if type(rank_offset) is not int or not 0 <= rank_offset < 65535:
             raise ValueError(f"rank_offset must be in [0, 65535), got {rank_offset!r}")
         if type(max_hashes) is not int or max_hashes < 1:
             raise ValueError(f"max_hashes must be a positive int, got {max_hashes!r}")
         self._allowlist, self._offset, self._max = allowlist, rank_offset, max_hashes
+        self._enabled = enabled
         self._last_warning: dict[HintRejection, float] = {}
         self.stats = HintStats()
 
+    @classmethod
+    def from_config(
+        cls, config: kvcr_config.KVCRLinkerConfig, rank_offset: int
+    ) -> RouterHintParser:
+        """The parser of a rank at ``rank_offset`` under ``config``'s allowlist
+        and ``accept_request_hints``."""
+        allowlist = EndpointAllowlist.from_config(config)
+        return cls(allowlist, rank_offset, enabled=config.accept_request_hints)
+
     def parse(self, kv_hints: object) -> FetchHint | None:
         """The request's usable fetch hint, or None (absent, or ignored and counted)."""
+        if not self._enabled and kv_hints is not None:
+            self._reject(_R.DISABLED, "accept_request_hints is false")
+            return None
         try:
             hint = self._parse(kv_hints)
         except _Reject as rej:
