@@ -14,7 +14,7 @@ export SGLANG_KVCR_CACHE_DIR ?= $(CURDIR)/.cache
 export PYTHONPATH := $(HARNESS)/pythonpath$(if $(PYTHONPATH),:$(PYTHONPATH))
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo bench faults lint clean-venv
+.PHONY: venv test demo bench faults lint wheel install-check clean-venv
 
 venv: $(STAMP)
 
@@ -40,6 +40,17 @@ faults: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) test/manual/kvcr_direct_linker/kvcr_microbench.py
+
+# This package's wheel (pure Python) in dist/, for `pip install --no-deps` next to
+# an existing SGLang 0.5.23 (docs/kvcr_direct_linker.md, "Install").
+wheel: $(STAMP)
+	$(PIP) wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w dist .
+	@ls dist/sglang_kvcr-*.whl
+
+# The docs' install commands, run as written in a scratch venv (about a minute;
+# not part of `make test`).
+install-check: $(STAMP)
+	$(PY) -m pytest -m install test/registered/unit/mem_cache/kvcr/tooling/test_kvcr_install.py $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check python test examples

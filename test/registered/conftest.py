@@ -37,10 +37,21 @@ import time  # noqa: E402
 
 import pytest  # noqa: E402
 
+# Markers whose tests run only when ``-m`` names them (their own make targets).
+OPT_IN = ("install", "interop")
+
 
 def pytest_collection_modifyitems(config, items):
     """Deselect (never skip) ``gpu`` tests where torch sees no CUDA device, so a
-    CPU run reports no skips; ``gpu_check.sh`` runs them on a GPU host."""
+    CPU run reports no skips; ``gpu_check.sh`` runs them on a GPU host. ``OPT_IN``
+    tests are deselected unless the ``-m`` expression names their marker."""
+    markexpr = config.getoption("markexpr") or ""
+    for name in OPT_IN:
+        if name not in markexpr:
+            out = [item for item in items if item.get_closest_marker(name)]
+            if out:
+                config.hook.pytest_deselected(items=out)
+                items[:] = [item for item in items if not item.get_closest_marker(name)]
     import torch
 
     if torch.cuda.is_available():
