@@ -1,10 +1,15 @@
 """Page-level helpers for linker tests on any device: a small real SGLang KV pool,
 a bare KVCR linker over it, fresh random page bytes, and the offload / prepare /
 restore steps a scheduler would take, each bounded. Test support only.
+
+``make_linker``, ``fill_random`` and ``wait_until`` here are the only ones: the
+registered tests and the drivers (``kvcr_drivers``: faults, bench) pass their own
+geometry, config, bounds and poll periods as arguments.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import time
@@ -38,10 +43,15 @@ def make_linker(
     *,
     components=(0,),
     model="tiny-test",
+    page=PAGE,
+    server_args=None,
     **overrides,
 ):
-    """A bare linker over ``pool`` (and sidecar draft pools) serving ``components``
-    of ``model``; ``overrides`` are linker config fields."""
+    """A bare linker over ``pool`` (``page`` tokens a page; sidecar draft pools)
+    serving ``components`` of ``model``, built the one way every test and driver
+    builds one (``kvcr_stack.bare_linker``: the plugin's ``build_linker``);
+    ``server_args`` are more stand-in server arguments, ``overrides`` linker config
+    fields over defaults sized for ``make_pool``."""
     config = {
         "local_dram_bytes_per_worker": POOL_PAGES * PAGE_BYTES,
         "operation_timeout_ms": 5000,
@@ -51,13 +61,14 @@ def make_linker(
     }
     return kvcr_stack.bare_linker(
         pool,
-        PAGE,
+        page,
         config,
         components=components,
         model=model,
         forward_stream=forward_stream,
         draft="tiny-draft" if draft_pools else None,
         sidecar_draft_device_pools=tuple(draft_pools),
+        server_args=server_args,
     )
 
 
@@ -88,30 +99,26 @@ def kv_transfer(hashes, pages=None, device="cpu", cls=None, page=PAGE):
 
 
 def buffers(pool):
-    return [
-        b
-        for layer in range(LAYERS)
-        for b in (pool.k_buffer[layer], pool.v_buffer[layer])
-    ]
+    """Every layer buffer of ``pool``: K then V, layer by layer (MHA), or the
+    latent buffers (MLA)."""
+    if hasattr(pool, "k_buffer"):
+        return [b for kv in zip(pool.k_buffer, pool.v_buffer, strict=True) for b in kv]
+    return list(pool.kv_buffer)
 
 
-def fill_random(pool, pages, seed):
-    """Fresh random bytes (every bit pattern, NaNs included) in ``pages``."""
+def fill_random(pool, pages, seed, *, page=PAGE):
+    """Fresh random bytes (every bit pattern, NaNs included) in ``pages`` (``page``
+    token rows each; ``page=1``: token slots) of every buffer of ``pool``. The
+    same seed and pages give the same bytes on every device and rank."""
+    pages = torch.as_tensor(pages, dtype=torch.int64, device=pool.device)
+    rows = (pages[:, None] * page + torch.arange(page, device=pool.device)).reshape(-1)
     gen = torch.Generator(device=pool.device).manual_seed(seed)
     for buf in buffers(pool):
         raw = buf.view(torch.uint8)
-        for p in pages:
-            rows = raw[p * PAGE : (p + 1) * PAGE]
-            rows.copy_(
-                torch.randint(
-                    0,
-                    256,
-                    rows.shape,
-                    dtype=torch.uint8,
-                    generator=gen,
-                    device=pool.device,
-                )
-            )
+        shape = (len(rows), *raw.shape[1:])
+        raw[rows] = torch.randint(
+            0, 256, shape, dtype=torch.uint8, generator=gen, device=pool.device
+        )
 
 
 def page_bytes(pool, page):
@@ -125,14 +132,14 @@ def page_bytes(pool, page):
 
 def wait_until(predicate, timeout=10.0, what="condition", poll_s=0.002):
     """Poll ``predicate`` every ``poll_s`` until true; returns the seconds waited,
-    raises AssertionError at the deadline."""
+    raises AssertionError naming ``what`` at the deadline."""
     started = time.monotonic()
     deadline = started + timeout
     while time.monotonic() < deadline:
         if predicate():
             return time.monotonic() - started
         time.sleep(poll_s)
-    raise AssertionError(f"{what} not reached within {timeout} s")
+    raise AssertionError(f"{what}: not reached within {timeout} s")
 
 
 def offload_and_commit(lk, hashes, pages, device="cpu"):
@@ -196,3 +203,14 @@ def stall_owner(lk, timeout=10.0):
         assert not t.is_alive(), "the stall call did not return"
 
     return release
+
+
+@contextlib.contextmanager
+def owner_stalled(lk, timeout=10.0):
+    """``stall_owner`` as a block: ``lk``'s owner thread stays parked inside it;
+    the yielded function (or leaving the block) lets it go."""
+    release = stall_owner(lk, timeout)
+    try:
+        yield release
+    finally:
+        release()

@@ -16,9 +16,11 @@ pages times the page bytes (SWA: only the window's pages).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -103,9 +105,34 @@ def family_fields(
     return result, {"output_ids": replay.control["output_ids"]}, more
 
 
+class Progress:
+    """One line as each phase starts and one as it ends, with the seconds since
+    the run started (so a watcher sees where the time goes)."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.t0 = time.monotonic()
+
+    def line(self, text: str) -> None:
+        print(f"[{self.tag} +{time.monotonic() - self.t0:6.1f}s] {text}", flush=True)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        started = time.monotonic()
+        self.line(f"start {name}")
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            took = time.monotonic() - started
+            self.line(f"{'done ' if ok else 'FAILED'} {name} ({took:.1f} s)")
+
+
 class Driver(ServingRun):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args, "validate")
+        self.progress = Progress(getattr(args, "progress_tag", "validate"))
         self.checks: list[dict[str, Any]] = []
         self.servers: dict[str, harness.ServerHandle] = {}
         self.metrics: dict[str, dict[str, float]] = {}
@@ -124,7 +151,11 @@ class Driver(ServingRun):
         return harness.free_port()
 
     def launch(
-        self, name: str, linker: dict[str, Any] | None, offset: int
+        self,
+        name: str,
+        linker: dict[str, Any] | None,
+        offset: int,
+        wait: bool = True,
     ) -> harness.ServerHandle:
         extra = base_server_args(self.args, self.max_total)
         env = server_env(self.args.device)
@@ -137,6 +168,7 @@ class Driver(ServingRun):
             log_path=self.work / f"{name}.log",
             startup_timeout=self.args.startup_timeout,
             env=env,
+            wait=wait,
         )
         self.servers[name] = handle
         return handle
@@ -229,31 +261,48 @@ class Driver(ServingRun):
         try:
             for name, family in FAMILY_CHECKS.items():  # they boot meanwhile
                 if name in self.selected:
+                    self.progress.line(f"launch {family} server (boots meanwhile)")
                     handle = kvcr_servers.launch_family(family, self.work)
                     self.families[name] = self.servers[family] = handle
             if base:
                 self.run_base_checks(base)
             if self.families:  # both round trips at once
-                found = kvcr_servers.family_round_trips(list(self.families.values()))
+                with self.progress.phase("MLA and FULL+SWA round trips"):
+                    found = kvcr_servers.family_round_trips(
+                        list(self.families.values())
+                    )
                 for name, handle in self.families.items():
                     self.check_family(name, found[handle.family])
         finally:
-            self.scrape_metrics()
-            for handle in self.servers.values():
-                handle.stop()
+            with self.progress.phase("metrics scrape and shutdown"):
+                self.scrape_metrics()
+                for handle in self.servers.values():
+                    handle.stop()
         return self.report(time.monotonic() - started)
 
     def run_base_checks(self, names: list[str]) -> None:
-        control = self.launch("control", None, 0)
-        self.controls = {n: self.run(control, ids) for n, ids in self.prompts.items()}
-        control.stop()
         ctl_a, ctl_b = self.control_port(1), self.control_port(2)
-        self.a = self.launch("linker_a", self.linker_config(ctl_a), 1)
-        if self.selected & PEER_CHECKS:
-            self.b = self.launch("linker_b", self.linker_config(ctl_b), 2)
+        with self.progress.phase("boot servers (control, linker A, linker B)"):
+            # All at once: their start-ups overlap instead of adding up.
+            control = self.launch("control", None, 0, wait=False)
+            self.a = self.launch("linker_a", self.linker_config(ctl_a), 1, wait=False)
+            if self.selected & PEER_CHECKS:
+                self.b = self.launch(
+                    "linker_b", self.linker_config(ctl_b), 2, wait=False
+                )
+            for name, handle in list(self.servers.items()):
+                if name in ("control", "linker_a", "linker_b"):
+                    took = handle.wait_ready(self.args.startup_timeout)
+                    self.progress.line(f"  {name} ready after {took:.1f} s")
+        with self.progress.phase("control outputs (no linker)"):
+            self.controls = {
+                n: self.run(control, ids) for n, ids in self.prompts.items()
+            }
+            control.stop()
         self.endpoint_a = f"tcp://127.0.0.1:{ctl_a}"
         for name in names:  # dead_peer_control last: it leaves B quarantined
-            getattr(self, f"check_{name}")(name)
+            with self.progress.phase(name):
+                getattr(self, f"check_{name}")(name)
 
     def scrape_metrics(self) -> None:
         """Each live linker server's moved kvcr metrics (after a publish period)."""

@@ -10,13 +10,13 @@ import statistics
 import time
 from typing import Any
 
+from cpu_harness.kvcr_pages import fill_random, make_linker
 from kvcr_drivers.bench.metrics import dist, gbps, metric, random_hashes, settle
 from kvcr_drivers.bench.pools import (
     WAIT_S,
     Geometry,
-    fill_random,
     kv_transfer,
-    make_linker,
+    linker_args,
     make_pool,
     offload_once,
     page_rows,
@@ -81,8 +81,8 @@ def bench_copy_and_prepare(
     # Half of a 2n-page range in random order: short runs, as after churn.
     dst_scattered = rng.sample(range(2 + n, 2 + 3 * n), n)
     pool = make_pool(geo, 3 + 3 * n)
-    fill_random(pool, geo, src_pages, seed=1)
-    linker = make_linker(pool, geo, kvcr_pages=2 * n)
+    fill_random(pool, src_pages, seed=1, page=geo.page)
+    linker = make_linker(pool, **linker_args(geo, 2 * n))
     details: dict[str, Any] = {
         "geometry": vars(geo) | {"request_pages": n, "request_bytes": nbytes},
         "torch_threads": torch.get_num_threads(),

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
-from cpu_harness.kvcr_pages import fetch_hint
+from cpu_harness.kvcr_pages import fetch_hint, fill_random, make_linker
 from kvcr_drivers.bench.metrics import (
     dist,
     gbps,
@@ -24,9 +24,8 @@ from kvcr_drivers.bench.metrics import (
 from kvcr_drivers.bench.pools import (
     MIB,
     Geometry,
-    fill_random,
     kv_transfer,
-    make_linker,
+    linker_args,
     make_pool,
     offload_once,
     prepare_and_lookup,
@@ -41,15 +40,15 @@ def bench_hint(
     geo = Geometry(args.hint_layers, args.heads, args.head_dim, args.page_size)
     n = args.request_pages
     pool_a, pool_b = make_pool(geo, 3 + 2 * n), make_pool(geo, 3 + n)
-    a = make_linker(pool_a, geo, kvcr_pages=2 * n)
+    a = make_linker(pool_a, **linker_args(geo, 2 * n))
     # B holds exactly one request: alternating two prompts evicts the other, so
     # every sample's pages are remote.
-    b = make_linker(pool_b, geo, kvcr_pages=n)
+    b = make_linker(pool_b, **linker_args(geo, n))
     try:
         prompts = []
         for j in range(2):
             pages = list(range(1 + j * n, 1 + (j + 1) * n))
-            fill_random(pool_a, geo, pages, seed=10 + j)
+            fill_random(pool_a, pages, seed=10 + j, page=geo.page)
             hashes = random_hashes(rng, n)
             offload_once(a, geo, hashes, pages)
             hint = fetch_hint(a.endpoint, hashes)

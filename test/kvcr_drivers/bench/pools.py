@@ -9,21 +9,19 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from cpu_harness import kvcr_pages, kvcr_stack
+from cpu_harness.kvcr_pages import wait_until
 
 MIB = 1 << 20
 GIB = 1 << 30
 WAIT_S = 30.0
-READY_POLL_S = 50e-6  # sleeps between readiness checks release the GIL
-
-
-def wait_ready(predicate: Callable[[], bool], what: str) -> float:
-    """``kvcr_pages.wait_until`` polling every 50 us (latency samples wait on it)."""
-    return kvcr_pages.wait_until(predicate, WAIT_S, what, poll_s=READY_POLL_S)
+# Readiness polls (latency samples wait on them) sleep this long between checks:
+# the sleeps release the GIL.
+READY_POLL_S = 50e-6
+BENCH_MODEL = "bench-geometry"
 
 
 @dataclass
@@ -43,18 +41,8 @@ class Geometry:
 
 
 def make_pool(geo: Geometry, pages: int, device: str = "cpu") -> Any:
-    import torch
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
-    return MHATokenToKVPool(
-        pages * geo.page,
-        geo.page,
-        torch.bfloat16,
-        geo.heads,
-        geo.head_dim,
-        geo.layers,
-        device=device,
-        enable_memory_saver=False,
+    return kvcr_stack.mha_pool(
+        pages * geo.page, geo.page, geo.heads, geo.head_dim, geo.layers, device
     )
 
 
@@ -83,9 +71,14 @@ def release_device_memory(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def make_linker(pool: Any, geo: Geometry, kvcr_pages: int, **overrides: Any) -> Any:
-    config = {
-        "local_dram_bytes_per_worker": kvcr_pages * geo.page_bytes,
+def linker_args(geo: Geometry, dram_pages: int, **overrides: Any) -> dict[str, Any]:
+    """``kvcr_pages.make_linker`` keyword arguments of a bench linker over a
+    ``geo`` pool: ``dram_pages`` pages of KVCR DRAM, long timeouts, budgets no case
+    reaches; ``overrides`` are linker config fields."""
+    return {
+        "page": geo.page,
+        "model": BENCH_MODEL,
+        "local_dram_bytes_per_worker": dram_pages * geo.page_bytes,
         "operation_timeout_ms": 10000,
         "abandon_timeout_ms": 20000,
         "preparation_timeout_ms": 10000,
@@ -94,7 +87,6 @@ def make_linker(pool: Any, geo: Geometry, kvcr_pages: int, **overrides: Any) -> 
         "max_abandoned_bytes": 4 * GIB,
         **overrides,
     }
-    return kvcr_stack.bare_linker(pool, geo.page, config, model="bench-geometry")
 
 
 def kv_transfer(
@@ -108,32 +100,16 @@ def kv_transfer(
     return kvcr_pages.kv_transfer(hashes, pages, device, page=geo.page)
 
 
-def pool_parts(pool: Any) -> list[Any]:
-    return [b for pair in zip(pool.k_buffer, pool.v_buffer, strict=True) for b in pair]
-
-
 def page_rows(pool: Any, geo: Geometry) -> list[Any]:
     """Each K/V layer buffer as one uint8 row per page."""
     import torch
 
     out = []
-    for buf in pool_parts(pool):
+    for buf in kvcr_pages.buffers(pool):
         pages = buf.shape[0] // geo.page
         flat = buf[: pages * geo.page].reshape(-1).view(torch.uint8)
         out.append(flat.view(pages, geo.part_bytes))
     return out
-
-
-def fill_random(pool: Any, geo: Geometry, pages: list[int], seed: int) -> None:
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    for rows in page_rows(pool, geo):
-        index = torch.tensor(pages, dtype=torch.long, device=rows.device)
-        data = torch.randint(
-            0, 256, (len(pages), geo.part_bytes), dtype=torch.uint8, generator=gen
-        )
-        rows.index_copy_(0, index, data.to(rows.device))
 
 
 def pages_equal(pool: Any, geo: Geometry, a: list[int], b: list[int]) -> bool:
@@ -156,7 +132,12 @@ def offload_once(
     sync(device)
     t0 = time.perf_counter()
     linker.offload(transfers)
-    wait_ready(lambda: linker.num_completed_offloads() >= 1, "offload completion")
+    wait_until(
+        lambda: linker.num_completed_offloads() >= 1,
+        WAIT_S,
+        "offload completion",
+        poll_s=READY_POLL_S,
+    )
     elapsed = time.perf_counter() - t0
     if not linker.pop_completed_offload():
         raise RuntimeError(f"offload failed: {linker.stats_line()}")
@@ -176,7 +157,12 @@ def prepare_and_lookup(linker: Any, rid: str, transfers: Any, hint: Any = None):
     waited = 0.0
     if not linker.preparation_ready(handle):
         w0 = time.perf_counter()
-        wait_ready(lambda: linker.preparation_ready(handle), f"{rid} prepared")
+        wait_until(
+            lambda: linker.preparation_ready(handle),
+            WAIT_S,
+            f"{rid} prepared",
+            poll_s=READY_POLL_S,
+        )
         waited = time.perf_counter() - w0
     t2 = time.perf_counter()
     hit = linker.lookup(rid, transfers)

@@ -9,13 +9,13 @@ import statistics
 import time
 from typing import Any
 
+from cpu_harness.kvcr_pages import fill_random, make_linker
 from kvcr_drivers.bench.metrics import gbps, metric, random_hashes, settle
 from kvcr_drivers.bench.pools import (
     Geometry,
     copy_once,
-    fill_random,
     host_bytes,
-    make_linker,
+    linker_args,
     make_pool,
     offload_once,
     pages_equal,
@@ -40,13 +40,15 @@ def transfer_case(
     order = rng.sample(range(1, 1 + 2 * n), 2 * n)
     src_pages, dst_pages = order[:n], order[n:]
     pool = make_pool(geo, 1 + 2 * n, device)
-    fill_random(pool, geo, src_pages, seed=7)
+    fill_random(pool, src_pages, seed=7, page=geo.page)
     linker = make_linker(
         pool,
-        geo,
-        kvcr_pages=n + max(8, n // 4),
-        offload_path="staged",
-        max_inflight_offload_bytes=nbytes + geo.page_bytes,
+        **linker_args(
+            geo,
+            n + max(8, n // 4),
+            offload_path="staged",
+            max_inflight_offload_bytes=nbytes + geo.page_bytes,
+        ),
     )
     host = host_bytes(nbytes, device)
     host.random_(0, 256)

@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from cpu_harness import kvcr_pages
-from cpu_harness.kvcr_pages import PAGE_BYTES, hashes_for, kv_transfer
+from cpu_harness.kvcr_pages import (
+    PAGE_BYTES,
+    hashes_for,
+    kv_transfer,
+    make_linker,
+    wait_until,
+)
 
 WAIT_S = 15.0
 CHILD_START_S = 120.0
@@ -58,21 +64,9 @@ def rss_mb(pid: int | None = None) -> float:
     return 0.0
 
 
-def wait_until(
-    predicate: Callable[[], bool], timeout: float = WAIT_S, what: str = "condition"
-) -> float:
-    """``kvcr_pages.wait_until`` with this driver's default bound; seconds waited."""
-    return kvcr_pages.wait_until(predicate, timeout, what)
-
-
 def page_data(pool: Any, page: int) -> bytes:
     """Every K and V byte of ``page``, as bytes (compared and sent between processes)."""
     return kvcr_pages.page_bytes(pool, page).numpy().tobytes()
-
-
-def make_linker(pool: Any, **overrides: Any) -> Any:
-    """A bare linker over ``pool`` with this driver's config."""
-    return kvcr_pages.make_linker(pool, **{**BASE_CONFIG, **overrides})
 
 
 def ctx(rid: str, hint: Any = None, attempt: int = 0) -> Any:
@@ -91,7 +85,7 @@ def prepare(linker: Any, rid: str, hashes: list[str], hint: Any = None) -> float
     """prepare_request then poll preparation_ready; returns the seconds it took."""
     started = time.monotonic()
     handle = linker.prepare_request(ctx(rid, hint), kv_transfer(hashes))
-    wait_until(lambda: linker.preparation_ready(handle), what=f"{rid} prepared")
+    wait_until(lambda: linker.preparation_ready(handle), WAIT_S, f"{rid} prepared")
     return time.monotonic() - started
 
 
@@ -127,17 +121,6 @@ def settle(linker: Any) -> tuple[int, int]:
     linker._adapter.wait_idle(WAIT_S)
     linker._pump()
     return linker.claims_held(), kvcr_claims(linker)
-
-
-@contextlib.contextmanager
-def owner_stalled(linker: Any, hold_s: float = WAIT_S) -> Iterator[Callable[[], None]]:
-    """Keep the linker's KVCR owner thread busy; call the yielded function (or
-    leave the block) to let it go."""
-    release = kvcr_pages.stall_owner(linker, hold_s)
-    try:
-        yield release
-    finally:
-        release()
 
 
 class LogCapture(logging.Handler):
@@ -243,7 +226,7 @@ class Harness:
 
     def linker(self, **overrides: Any) -> tuple[Any, Any]:
         pool = kvcr_pages.make_pool()
-        lk = make_linker(pool, **overrides)
+        lk = make_linker(pool, **{**BASE_CONFIG, **overrides})
         self.pools.append(pool)
         self.linkers.append(lk)
         return pool, lk
@@ -298,7 +281,7 @@ def warm_up() -> None:
     libraries) are not charged to the first scenario's RSS and thread checks."""
     global _WARM
     if not _WARM:
-        make_linker(kvcr_pages.make_pool()).close()
+        make_linker(kvcr_pages.make_pool(), **BASE_CONFIG).close()
         _WARM = True
 
 

@@ -15,14 +15,23 @@ from typing import Any
 import torch
 
 from cpu_harness import kvcr_stack
-from cpu_harness.kvcr_pages import DIM, HEADS, LAYERS, PAGE, POOL_PAGES, buffers
+from cpu_harness.kvcr_pages import (
+    DIM,
+    HEADS,
+    LAYERS,
+    PAGE,
+    POOL_PAGES,
+    buffers,
+    fill_random,
+    wait_until,
+)
 from kvcr_drivers.faults.common import (
     BASE_CONFIG,
+    WAIT_S,
     Harness,
     Scenario,
     ctx,
     settle,
-    wait_until,
 )
 
 
@@ -62,7 +71,7 @@ def scenario_failed_device_copy_mid_layer(sc: Scenario) -> None:
     def admit(rid: str) -> Any:
         req = stack.make_req(rid, [*prefix, 7, 8])
         stack.enqueue(req)
-        wait_until(lambda: linker.preparation_ready(stack.handle_of(req)), what=rid)
+        wait_until(lambda: linker.preparation_ready(stack.handle_of(req)), WAIT_S, rid)
         req.init_next_round_input(cache)
         return req
 
@@ -127,11 +136,7 @@ class Stack:
         from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
         slots = self.allocator.alloc(len(tokens))
-        gen = torch.Generator().manual_seed(seed)
-        for buf in buffers(self.kvcache):
-            buf[slots] = torch.randn(len(slots), HEADS, DIM, generator=gen).to(
-                buf.dtype
-            )
+        fill_random(self.kvcache, slots, seed, page=1)
         original = torch.cat(
             [b[slots].reshape(-1).view(torch.uint8) for b in buffers(self.kvcache)]
         ).clone()
@@ -141,7 +146,7 @@ class Stack:
             self.cache.check_hicache_events()
             return not self.cache.linker.pending_offloads
 
-        wait_until(committed, what="offloads committed")
+        wait_until(committed, WAIT_S, "offloads committed")
         return slots, original
 
     def evict(self, tokens: list[int]) -> None:

@@ -21,21 +21,22 @@ from cpu_harness.kvcr_pages import (
     fill_random,
     hashes_for,
     kv_transfer,
+    owner_stalled,
+    wait_until,
 )
 from kvcr_drivers.faults.common import (
     DEADLINE_MS,
     STALE_TIMEOUT_MS,
+    WAIT_S,
     Harness,
     Scenario,
     ctx,
     offload_and_commit,
-    owner_stalled,
     page_data,
     prepare,
     restore,
     rss_mb,
     settle,
-    wait_until,
 )
 
 # offload_backpressure: the in-flight offload budget in pages, and how many more
@@ -104,13 +105,13 @@ def scenario_preparation_deadline_late_completions(sc: Scenario) -> None:
     original = [page_data(pool, p) for p in (1, 2, 3)]
     sc.check("pages stored", offload_and_commit(lk, hashes, [1, 2, 3]))
     late_before = lk.stats.late_claims_released
-    with owner_stalled(lk) as release:
+    with owner_stalled(lk, WAIT_S) as release:
         ha = lk.prepare_request(ctx("early-end"), kv_transfer(hashes))
         hb = lk.prepare_request(ctx("late-land"), kv_transfer(hashes))
         sc.check("not ready before the deadline", not lk.preparation_ready(ha))
-        waited = wait_until(lambda: lk.preparation_ready(ha), what="deadline")
+        waited = wait_until(lambda: lk.preparation_ready(ha), WAIT_S, "deadline")
         sc.check("ready once the deadline passed", waited >= DEADLINE_MS / 2000.0)
-        wait_until(lambda: lk.preparation_ready(hb), what="second deadline")
+        wait_until(lambda: lk.preparation_ready(hb), WAIT_S, "second deadline")
         sc.check(
             "admitted at the deadline with nothing claimed: a miss",
             lk.lookup("early-end", kv_transfer(hashes)) == []
@@ -149,13 +150,14 @@ def scenario_reset_during_inflight(sc: Scenario, offload_path: str = "direct") -
     inflight = hashes_for(2, f"reset-inflight-{offload_path}")
     threads_before = len(threading.enumerate())
     timings = []
-    with owner_stalled(lk) as release:
+    with owner_stalled(lk, WAIT_S) as release:
         lk.offload(kv_transfer(inflight, [4, 5]))
         handle = lk.prepare_request(ctx("r-reset"), kv_transfer(stored))
         lk.num_completed_offloads()  # pumps: a deferred deposit is submitted now
         wait_until(
             lambda: lk._adapter.stats().inflight_offload_bytes > 0,
-            what="deposit handed to the owner",
+            WAIT_S,
+            "deposit handed to the owner",
         )
         sc.check("preparation in flight at the flush", not lk.preparation_ready(handle))
         threading.Timer(0.3, release).start()
@@ -182,7 +184,7 @@ def scenario_reset_during_inflight(sc: Scenario, offload_path: str = "direct") -
     fill_random(pool, [6], seed=42)
     fresh = hashes_for(1, f"reset-fresh-{offload_path}")
     ok = lk.offload(kv_transfer(fresh, [6]))
-    wait_until(lambda: lk.num_completed_offloads() >= 1, what="fresh offload")
+    wait_until(lambda: lk.num_completed_offloads() >= 1, WAIT_S, "fresh offload")
     sc.check("the next offload gets its own result", ok and lk.pop_completed_offload())
     sc.check("and only that one", lk.num_completed_offloads() == 0)
     prepare(lk, "fresh", fresh)
@@ -220,14 +222,14 @@ def scenario_capacity_exhausted(sc: Scenario) -> None:
     )
     s, f, g = (hashes_for(n, f"cap-{x}") for n, x in ((1, "s"), (1, "f"), (2, "g")))
     failures_before = lk.stats.offload_failures
-    with owner_stalled(lk):
+    with owner_stalled(lk, WAIT_S):
         # One deposit batch: S takes the last free slot; F and G find nothing to evict.
         lk.offload(kv_transfer(s, [4]))
         lk.offload(kv_transfer(f, [5]))
         lk.offload(kv_transfer([], []))
         lk.offload(kv_transfer(g, [6, 7]))
         lk.num_completed_offloads()  # pump: all three deposits queue behind the stall
-    wait_until(lambda: lk.num_completed_offloads() == 4, what="four offload results")
+    wait_until(lambda: lk.num_completed_offloads() == 4, WAIT_S, "four offload results")
     results = [lk.pop_completed_offload() for _ in range(4)]
     sc.details["results"] = results
     sc.check(
@@ -267,7 +269,7 @@ def scenario_offload_backpressure(sc: Scenario, offload_path: str = "direct") ->
     offloads += [("bp-over", [fits + 1]), ("bp-big", [4, 5, 6])]
     offloads += [(f"bp-storm{i}", [7]) for i in range(BACKPRESSURE_STORM)]
     rss0 = rss_mb()
-    with owner_stalled(lk):
+    with owner_stalled(lk, WAIT_S):
         for tag, pages in offloads:
             hashes = hashes_for(len(pages), f"{tag}-{offload_path}")
             lk.offload(kv_transfer(hashes, pages))
@@ -276,7 +278,9 @@ def scenario_offload_backpressure(sc: Scenario, offload_path: str = "direct") ->
         queued = lk._adapter._commands.qsize()
         deferred = lk.offloader.queue.deferred_count
     total = len(offloads)
-    wait_until(lambda: lk.num_completed_offloads() == total, what="all offload results")
+    wait_until(
+        lambda: lk.num_completed_offloads() == total, WAIT_S, "all offload results"
+    )
     results = [lk.pop_completed_offload() for _ in range(total)]
     expected = [True] * fits + [False] * (total - fits)
     sc.details["submitted"] = total

@@ -15,10 +15,11 @@ import time
 import traceback
 from typing import Any
 
-from cpu_harness.kvcr_pages import fetch_hint, hashes_for, kv_transfer
+from cpu_harness.kvcr_pages import fetch_hint, hashes_for, kv_transfer, wait_until
 from cpu_harness.server import free_port
 from kvcr_drivers.faults.common import (
     BASE_CONFIG,
+    WAIT_S,
     Harness,
     LogCapture,
     Scenario,
@@ -29,7 +30,6 @@ from kvcr_drivers.faults.common import (
     restore,
     retained_count,
     settle,
-    wait_until,
 )
 from kvcr_drivers.faults.peers import (
     PeerChildren,
@@ -182,7 +182,8 @@ def _peer_sequence(
         )
         wait_until(
             lambda lk=lk, n=fetches: lk._adapter.stats().fetches > n,
-            what="fetch submitted",
+            WAIT_S,
+            "fetch submitted",
         )
     time.sleep(0.1)
     in_flight = [lk._adapter.stats().inflight_prepare_bytes for lk in (b, b2)]
@@ -191,7 +192,8 @@ def _peer_sequence(
     for name, lk in (("B", b), ("B2", b2)):
         wait_until(
             lambda lk=lk, name=name: lk.preparation_ready(handles[name]),
-            what="killed-peer prepare",
+            WAIT_S,
+            "killed-peer prepare",
         )
     kill_s = time.monotonic() - t0
     kill_hits = [lk.lookup("kill", kv_transfer(g)) for lk in (b, b2)]

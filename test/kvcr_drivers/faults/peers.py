@@ -25,20 +25,27 @@ from collections.abc import Callable
 from typing import Any
 
 from cpu_harness import kvcr_pages
-from cpu_harness.kvcr_pages import fetch_hint, fill_random, hashes_for, kv_transfer
+from cpu_harness.kvcr_pages import (
+    fetch_hint,
+    fill_random,
+    hashes_for,
+    kv_transfer,
+    make_linker,
+    wait_until,
+)
 from kvcr_drivers.faults.common import (
+    BASE_CONFIG,
     CHILD_START_S,
     PEER_CONFIG,
     THREAD_SETTLE_S,
+    WAIT_S,
     LogCapture,
     Scenario,
     ctx,
-    make_linker,
     offload_and_commit,
     page_data,
     retained_count,
     settle,
-    wait_until,
 )
 
 
@@ -189,7 +196,7 @@ def _child_unreachable_peer() -> dict[str, Any]:
         endpoint = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
         out["endpoint"] = endpoint
         pool = kvcr_pages.make_pool()
-        lk = make_linker(pool)
+        lk = make_linker(pool, **BASE_CONFIG)
         hashes = hashes_for(2, "unreachable")
         started = time.monotonic()
         handle = lk.prepare_request(
@@ -201,7 +208,7 @@ def _child_unreachable_peer() -> dict[str, Any]:
         held = []
         if readable:
             held.append(listener.accept()[0])  # keep it open and silent
-        wait_until(lambda: lk.preparation_ready(handle), what="unreachable prepared")
+        wait_until(lambda: lk.preparation_ready(handle), WAIT_S, "unreachable prepared")
         out["ready_s"] = round(time.monotonic() - started, 3)
         out["lookup"] = lk.lookup("u", kv_transfer(hashes))
         lk.finish_request("u")

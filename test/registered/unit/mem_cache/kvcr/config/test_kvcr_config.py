@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from cpu_harness.server import REPO
 from sglang.srt.mem_cache.storage.kvcr.config import linker_config as cfgmod
 from sglang.srt.mem_cache.storage.kvcr.config import (
     one_line_errors,
@@ -322,7 +323,7 @@ def test_package_module_file_is_this_repo_and_sglang_is_the_release():
     import sglang
     import sglang.srt.mem_cache.storage.kvcr as pkg
 
-    repo = Path(__file__).resolve().parents[4]
+    repo = REPO
     assert Path(pkg.__file__).resolve().is_relative_to(repo / "python")
     assert "site-packages" in Path(sglang.__file__).resolve().parts
     assert not Path(sglang.__file__).resolve().is_relative_to(repo / "python")
@@ -334,9 +335,7 @@ def test_package_module_file_is_this_repo_and_sglang_is_the_release():
 def test_docs_reference_every_config_field_with_its_default():
     """docs/kvcr_direct_linker.md has a row per field, with the class's default,
     in its configuration reference (other tables of the page are not read)."""
-    doc = (
-        Path(__file__).resolve().parents[4] / "docs" / "kvcr_direct_linker.md"
-    ).read_text()
+    doc = (REPO / "docs" / "kvcr_direct_linker.md").read_text()
     heading = "## Configuration reference\n"
     assert heading in doc
     section = doc.split(heading, 1)[1].split("\n## ", 1)[0]

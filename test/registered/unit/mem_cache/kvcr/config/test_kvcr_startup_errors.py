@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from cpu_harness import kvcr_stack
+from cpu_harness.server import REPO
 from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRUnavailableError
 from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_factory
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_adapter import KVCRAdapter
@@ -31,7 +32,7 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import AdapterLimits
 
 pytestmark = pytest.mark.kvcr
 
-TEST_DIR = Path(__file__).resolve().parents[3]  # the repository's test/
+TEST_DIR = REPO / "test"
 BLOCK = 4096
 STARTUP_TIMEOUT_S = 30.0  # the adapter's own bounded wait for KVCR to start
 CHILD_TIMEOUT_S = 180.0  # a child imports torch + kvcr on 2 loaded cores

@@ -171,7 +171,6 @@ def _round_trip(
     from array import array
     from unittest import mock
 
-    import torch
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.mem_cache.base_prefix_cache import (
         EvictParams,
@@ -182,6 +181,7 @@ def _round_trip(
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.sampling.sampling_params import SamplingParams
 
+    from cpu_harness.kvcr_pages import fill_random
     from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
 
     cache, kvcache, allocator = stack["cache"], stack["kvcache"], stack["allocator"]
@@ -193,12 +193,7 @@ def _round_trip(
         allocator.alloc(PAGE * (seq + 2))  # the ranks' physical slots differ
     slots = allocator.alloc(n)
     out["first_slot"] = int(slots[0])
-    gen = torch.Generator().manual_seed(77 + seq)  # the same bytes on both ranks
-    for buf in kvcache.kv_buffer:
-        raw = buf[slots].view(torch.uint8)
-        buf[slots] = torch.randint(
-            0, 256, raw.shape, dtype=torch.uint8, generator=gen
-        ).view(buf.dtype)
+    fill_random(kvcache, slots, 77 + seq, page=1)  # the same bytes on both ranks
     written = _rows(kvcache, slots)
     cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=slots))
     out["commit_rounds"] = _drain(cache)

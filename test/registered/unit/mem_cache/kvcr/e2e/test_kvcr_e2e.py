@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from cpu_harness.server import REPO
+
 pytestmark = [pytest.mark.server, pytest.mark.kvcr]
 
-REPO = Path(__file__).resolve().parents[4]
 DRIVER = REPO / "test" / "manual" / "kvcr_direct_linker" / "kvcr_validate.py"
 
 

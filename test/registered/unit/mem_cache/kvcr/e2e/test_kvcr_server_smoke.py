@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from cpu_harness.server import (
+    REPO,
     ServerHandle,
     kvcr_linker_args,
     launch_server,
@@ -34,7 +35,6 @@ from cpu_harness.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.server
 
-REPO = Path(__file__).resolve().parents[4]
 KVCR_CONFIG = {"local_dram_bytes_per_worker": 64 * 1024 * 1024}
 # A small device pool (still room for the 1500-token prompt) so filler traffic
 # evicts a prompt from the device and only KVCR can serve its replay.

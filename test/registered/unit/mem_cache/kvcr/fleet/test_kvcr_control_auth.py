@@ -10,13 +10,13 @@ import shutil
 import pytest
 import zmq.auth
 
-from cpu_harness import kvcr_pages as pages
 from cpu_harness.kvcr_pages import (
     PAGE_BYTES,
     fetch_hint,
     fill_random,
     hashes_for,
     kv_transfer,
+    make_linker,
     make_pool,
     offload_and_commit,
     wait_until,
@@ -38,10 +38,6 @@ FAST = {
 }
 
 
-def make_linker(pool, **overrides):
-    return pages.make_linker(pool, **{**FAST, **overrides})
-
-
 def refused(linker):
     line = linker.stats_line()
     return int(line.split("inbound_refused=")[1].split()[0])
@@ -54,7 +50,7 @@ def source():
 
     def start(**overrides):
         pool = make_pool("cpu")
-        lk = make_linker(pool, **overrides)
+        lk = make_linker(pool, **FAST, **overrides)
         made.append(lk)
         fill_random(pool, [1, 2], seed=7)
         lk.hashes = hashes_for(2, "held")
@@ -110,6 +106,7 @@ def test_peer_at_an_address_outside_the_allowlist_gets_no_pages(source, caplog):
     a = source()  # default allowlist: its advertised host, 127.0.0.1
     outsider = make_linker(
         make_pool("cpu"),
+        **FAST,
         control_bind_host="127.0.0.2",
         peer_endpoint_allowlist=["127.0.0.1"],  # so it may dial a at all
     )
@@ -122,7 +119,7 @@ def test_peer_at_an_address_outside_the_allowlist_gets_no_pages(source, caplog):
     warnings = [r for r in caplog.records if "127.0.0.2" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
     before = refused(a)
-    insider = make_linker(make_pool("cpu"))
+    insider = make_linker(make_pool("cpu"), **FAST)
     try:
         assert pull(a, insider, "in") == [1, 2]
     finally:
@@ -138,14 +135,16 @@ def test_with_curve_only_a_peer_holding_an_allowed_key_hits(source, tmp_path):
     b_pub, b_sec = make_keys(tmp_path, "b")
     _, c_sec = make_keys(tmp_path, "c")
     a = source(**curve(tmp_path, "a", a_sec, b_pub))
-    stranger = make_linker(make_pool("cpu"), **curve(tmp_path, "c", c_sec, a_pub))
+    stranger = make_linker(
+        make_pool("cpu"), **FAST, **curve(tmp_path, "c", c_sec, a_pub)
+    )
     try:
         assert pull(a, stranger, "stranger") == []
         wait_until(lambda: refused(a) >= 1, what="unknown key counted")
     finally:
         stranger.close()
     before = refused(a)
-    keyed = make_linker(make_pool("cpu"), **curve(tmp_path, "b", b_sec, a_pub))
+    keyed = make_linker(make_pool("cpu"), **FAST, **curve(tmp_path, "b", b_sec, a_pub))
     try:
         assert pull(a, keyed, "keyed") == [1, 2]
         assert refused(keyed) == 0

@@ -516,7 +516,7 @@ def test_hints_are_ignored_when_attention_ranks_span_nodes(pool, monkeypatch):
     from sglang.srt.mem_cache.storage.kvcr import rank_setup
 
     monkeypatch.setattr(rank_setup, "attn_rank", lambda params: (0, 2))
-    lk = kvcr_stack_linker(pool, server_args={"nnodes": 2})
+    lk = make_linker(pool, server_args={"nnodes": 2})
     try:
         assert lk.placement.multi_node
         hashes = hashes_for(2, "multinode")
@@ -528,14 +528,6 @@ def test_hints_are_ignored_when_attention_ranks_span_nodes(pool, monkeypatch):
         lk.release_request("m")
     finally:
         lk.close()
-
-
-def kvcr_stack_linker(pool, **kw):
-    from cpu_harness import kvcr_stack
-    from cpu_harness.kvcr_pages import PAGE, PAGE_BYTES, POOL_PAGES
-
-    config = {"local_dram_bytes_per_worker": POOL_PAGES * PAGE_BYTES}
-    return kvcr_stack.bare_linker(pool, PAGE, config, **kw)
 
 
 def test_a_hint_naming_this_worker_in_another_spelling_is_still_local():

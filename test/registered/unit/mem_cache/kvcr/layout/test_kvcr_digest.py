@@ -25,6 +25,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 from cpu_harness import kvcr_stack, tiny_model
+from cpu_harness.kvcr_pages import wait_until
 from sglang.srt.mem_cache.storage.kvcr.layout import model_identity
 from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import PageLayout
 from sglang.srt.mem_cache.storage.kvcr.rank_setup import kvcache_layout_identity
@@ -37,6 +38,7 @@ pytestmark = [pytest.mark.kvcr, pytest.mark.usefixtures("plugin_hooks")]
 
 PAGE = 4
 WAIT_S = 10.0
+POLL_S = 0.01
 
 
 # ---- checkpoints ----------------------------------------------------------------
@@ -304,23 +306,13 @@ def insert_commit_evict(stack: Any, tokens: list[int]) -> None:
 
     slots = stack.allocator.alloc(len(tokens))
     stack.cache.insert(InsertParams(key=radix_key(tokens), value=slots))
-    wait_until(lambda: committed(stack.cache), "offloads committed")
+    wait_until(lambda: committed(stack.cache), WAIT_S, "offloads committed", POLL_S)
     stack.cache.evict(EvictParams(num_tokens=len(tokens)))
 
 
 def committed(cache: Any) -> bool:
     cache.check_hicache_events()
     return not cache.linker.pending_offloads
-
-
-def wait_until(predicate: Any, what: str) -> None:
-    import time
-
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not reached in {WAIT_S} s")
-        time.sleep(0.01)
 
 
 def prepared_hit(stack: Any, rid: str, tokens: list[int], *, check=None) -> int:
@@ -332,7 +324,12 @@ def prepared_hit(stack: Any, rid: str, tokens: list[int], *, check=None) -> int:
     req = Req(rid, "", array("q", [*tokens, 1]), SamplingParams(max_new_tokens=1))
     integration.wrapper_prepare_request(stack.cache.linker, req)
     handle = LinkerRequestContext(req.rid, req.cache_request_handle.attempt_id).handle
-    wait_until(lambda: stack.linker.preparation_ready(handle), f"{rid} prepared")
+    wait_until(
+        lambda: stack.linker.preparation_ready(handle),
+        WAIT_S,
+        f"{rid} prepared",
+        POLL_S,
+    )
     if check is not None:
         check()
     req.init_next_round_input(stack.cache)

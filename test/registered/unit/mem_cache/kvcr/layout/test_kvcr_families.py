@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,6 +28,7 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
 from cpu_harness import kvcr_dsv4, kvcr_families, kvcr_stack
 from cpu_harness.kvcr_pages import wait_until
+from cpu_harness.server import REPO
 from sglang.srt.mem_cache.storage.kvcr.layout import pool_group_layout
 from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import PageLayout
 from sglang.srt.mem_cache.storage.kvcr.layout.pool_group_layout import FAMILIES
@@ -42,7 +42,7 @@ from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
 
 pytestmark = pytest.mark.kvcr
 
-DOCS = Path(__file__).resolve().parents[4] / "docs" / "kvcr_direct_linker.md"
+DOCS = REPO / "docs" / "kvcr_direct_linker.md"
 ALL, WINDOW, LAST = "all_pages", "trailing_window", "last_page"
 POOLS = {
     "MHA": [("kv", ALL)],

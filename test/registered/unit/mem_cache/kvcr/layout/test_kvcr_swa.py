@@ -16,8 +16,14 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-from cpu_harness import kvcr_pages, kvcr_stack
-from cpu_harness.kvcr_pages import wait_until
+from cpu_harness import kvcr_stack
+from cpu_harness.kvcr_pages import (
+    buffers,
+    fill_random,
+    make_linker,
+    page_bytes,
+    wait_until,
+)
 from sglang.srt.mem_cache.storage.kvcr.layout.pool_layout import KVCRLayoutError
 from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
     LinkerRequestContext,
@@ -39,14 +45,8 @@ def make_swa_pool():
     return kvcr_stack.swa_kv_pool(TOKENS, PAGE, HEADS, DIM, FULL_LAYERS, SWA_LAYERS)
 
 
-# kvcr_pages.make_linker options of a FULL+SWA linker over the SWA pool.
+# make_linker options (beside its components) of a linker over the SWA pool.
 SWA_LINKER = {"model": "tiny-swa", "local_dram_bytes_per_worker": 1 << 20}
-
-
-def make_linker(pool, components=FULL_SWA, **overrides):
-    return kvcr_pages.make_linker(
-        pool, components=components, **SWA_LINKER, **overrides
-    )
 
 
 @pytest.fixture
@@ -93,29 +93,10 @@ def transfers(keys, kv_pages=None, window_keys=None, swa_pages=None):
     return out
 
 
-def buffers(sub_pool):
-    return [
-        b
-        for layer in range(2)
-        for b in (sub_pool.k_buffer[layer], sub_pool.v_buffer[layer])
-    ]
-
-
-def fill(sub_pool, pages, seed):
-    gen = torch.Generator().manual_seed(seed)
-    for buf in buffers(sub_pool):
-        for p in pages:
-            buf[p * PAGE : (p + 1) * PAGE] = torch.randn(
-                PAGE, HEADS, DIM, generator=gen
-            ).to(buf.dtype)
-
-
-def page_bytes(sub_pool, page):
+def slot_bytes(sub_pool, slots):
+    """Every K and V byte of ``slots`` in ``sub_pool``."""
     return torch.cat(
-        [
-            b[page * PAGE : (page + 1) * PAGE].reshape(-1).view(torch.uint8)
-            for b in buffers(sub_pool)
-        ]
+        [b[slots].reshape(-1).view(torch.uint8) for b in buffers(sub_pool)]
     )
 
 
@@ -144,14 +125,14 @@ def test_full_and_window_pages_round_trip_byte_exact(pool, linker):
     the load's own slots of each sub-pool; nothing else changes."""
     full, window = pool.full_kv_pool, pool.swa_kv_pool
     keys = hashes(4)
-    fill(full, [1, 2, 3, 4], seed=1)
-    fill(window, [5, 6], seed=2)
+    fill_random(full, [1, 2, 3, 4], seed=1)
+    fill_random(window, [5, 6], seed=2)
     want_full = [page_bytes(full, p).clone() for p in (1, 2, 3, 4)]
     want_window = [page_bytes(window, p).clone() for p in (5, 6)]
     untouched = (page_bytes(full, 30).clone(), page_bytes(window, 30).clone())
     assert offload(linker, transfers(keys, [1, 2, 3, 4], keys[2:], [5, 6])) is True
-    fill(full, [1, 2, 3, 4], seed=3)
-    fill(window, [5, 6], seed=4)
+    fill_random(full, [1, 2, 3, 4], seed=3)
+    fill_random(window, [5, 6], seed=4)
 
     prepare(linker, "r", keys)
     assert linker.lookup("r", transfers(keys)) == [4]  # windows of 1..3 reach pages 0-1
@@ -170,12 +151,14 @@ def test_full_and_window_pages_round_trip_byte_exact(pool, linker):
 def test_staged_offload_stages_each_pool_from_its_own_device_pages(pool):
     """The staged path copies full pages from the full pool and window pages from
     the SWA pool (different device indices) before the deposit; both restore."""
-    linker = make_linker(pool, offload_path="staged")
+    linker = make_linker(pool, components=FULL_SWA, **SWA_LINKER, offload_path="staged")
     try:
         full, window = pool.full_kv_pool, pool.swa_kv_pool
         keys = hashes(3, "st")
-        fill(full, [2, 3, 4], seed=12)
-        fill(window, [7, 9], seed=13)  # window pages live elsewhere in the SWA pool
+        fill_random(full, [2, 3, 4], seed=12)
+        fill_random(
+            window, [7, 9], seed=13
+        )  # window pages live elsewhere in the SWA pool
         want_full = [page_bytes(full, p).clone() for p in (2, 3, 4)]
         want_window = [page_bytes(window, p).clone() for p in (7, 9)]
         assert offload(linker, transfers(keys, [2, 3, 4], keys[1:], [7, 9])) is True
@@ -194,8 +177,8 @@ def test_staged_offload_stages_each_pool_from_its_own_device_pages(pool):
 def test_restorable_set_is_sparse_where_a_window_page_is_missing(pool, linker):
     """SWA KV for pages 0,1,4,5 but not 2,3 (window 2): boundaries 1, 2 and 6."""
     keys = hashes(6, "sp")
-    fill(pool.full_kv_pool, range(1, 7), seed=5)
-    fill(pool.swa_kv_pool, range(1, 7), seed=6)
+    fill_random(pool.full_kv_pool, range(1, 7), seed=5)
+    fill_random(pool.swa_kv_pool, range(1, 7), seed=6)
     first = transfers(keys[:2], [1, 2], keys[:2], [1, 2])
     rest = transfers(keys[2:], [3, 4, 5, 6], keys[4:], [5, 6])
     assert offload(linker, first) is True and offload(linker, rest) is True
@@ -210,8 +193,8 @@ def test_restore_of_a_middle_boundary_uses_that_boundary_s_window(pool, linker):
     """Restoring boundary 2 of the sparse set copies full KV of pages 0-1 and window
     KV of pages 0-1; the claims past the boundary are released with the request."""
     keys = hashes(6, "mid")
-    fill(pool.full_kv_pool, range(1, 7), seed=7)
-    fill(pool.swa_kv_pool, range(1, 7), seed=8)
+    fill_random(pool.full_kv_pool, range(1, 7), seed=7)
+    fill_random(pool.swa_kv_pool, range(1, 7), seed=8)
     want = [page_bytes(pool.full_kv_pool, p).clone() for p in (1, 2)]
     want_window = [page_bytes(pool.swa_kv_pool, p).clone() for p in (1, 2)]
     assert offload(linker, transfers(keys[:2], [1, 2], keys[:2], [1, 2])) is True
@@ -238,7 +221,7 @@ def test_load_without_window_claims_fails_rather_than_restoring_stale_window(
 ):
     """A load whose window pages are not claimed fails the batch (no bytes move)."""
     keys = hashes(3, "nw")
-    fill(pool.full_kv_pool, [1, 2, 3], seed=9)
+    fill_random(pool.full_kv_pool, [1, 2, 3], seed=9)
     assert offload(linker, transfers(keys, [1, 2, 3], window_keys=[])) is True
     prepare(linker, "nw", keys)
     assert linker.lookup("nw", transfers(keys)) == []
@@ -254,20 +237,24 @@ def test_mamba_components_are_refused_naming_the_flag(pool):
     with pytest.raises(
         KVCRLayoutError, match=r"Mamba.*--unified-cache-external-linker"
     ):
-        make_linker(pool, {ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA})
+        make_linker(
+            pool,
+            components={ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA},
+            **SWA_LINKER,
+        )
 
 
 def test_swa_component_needs_a_swa_pool():
     plain = kvcr_stack.mha_pool(TOKENS, PAGE, HEADS, DIM, 2)
     with pytest.raises(KVCRLayoutError, match="SWA needs an SWAKVPool"):
-        make_linker(plain, FULL_SWA)
+        make_linker(plain, components=FULL_SWA, **SWA_LINKER)
     with pytest.raises(KVCRLayoutError, match="SWA needs an SWAKVPool"):
-        make_linker(make_swa_pool(), {ComponentType.FULL})
+        make_linker(make_swa_pool(), components={ComponentType.FULL}, **SWA_LINKER)
 
 
 def test_swa_digest_differs_from_a_plain_pool_of_the_same_geometry(pool, linker):
     plain = kvcr_stack.mha_pool(TOKENS, PAGE, HEADS, DIM, 4)
-    other = make_linker(plain, {ComponentType.FULL})
+    other = make_linker(plain, components={ComponentType.FULL}, **SWA_LINKER)
     try:
         assert other.layout.compatibility_digest != linker.layout.compatibility_digest
     finally:
@@ -318,15 +305,11 @@ def test_swa_tail_restores_through_the_unified_cache_bit_exact(plugin_hooks):
         zero, last = torch.tensor([0]), torch.tensor([-1])
         slots = allocator.alloc_extend(zero, zero, n, n, last, len(tokens))
         swa_slots = allocator.translate_loc_from_full_to_swa(slots)
-        gen = torch.Generator().manual_seed(11)
-        for sub, idx in ((full, slots), (window, swa_slots)):
-            for buf in buffers(sub):
-                buf[idx] = torch.randn(len(idx), HEADS, DIM, generator=gen).to(
-                    buf.dtype
-                )
-        want_full = torch.cat([b[slots] for b in buffers(full)])
+        fill_random(full, slots, seed=11, page=1)
+        fill_random(window, swa_slots, seed=12, page=1)
+        want_full = slot_bytes(full, slots)
         tail = slice(len(tokens) - WINDOW_PAGES * PAGE, len(tokens))
-        want_window = torch.cat([b[swa_slots[tail]] for b in buffers(window)])
+        want_window = slot_bytes(window, swa_slots[tail])
         key = RadixKey(array("q", tokens))
         cache.insert(InsertParams(key=key, value=slots))
 
@@ -358,10 +341,9 @@ def test_swa_tail_restores_through_the_unified_cache_bit_exact(plugin_hooks):
         private = cache.linker.private_load_indices[req.rid].clone()
         assert cache.ready_to_load_host_cache() >= 0
         assert cache.finish_external_linker_loads([req]) == []
-        assert torch.equal(torch.cat([b[private] for b in buffers(full)]), want_full)
+        assert torch.equal(slot_bytes(full, private), want_full)
         private_window = allocator.translate_loc_from_full_to_swa(private[tail])
-        got_window = torch.cat([b[private_window] for b in buffers(window)])
-        assert torch.equal(got_window, want_window)
+        assert torch.equal(slot_bytes(window, private_window), want_window)
         assert linker.claims_held() == 0
     finally:
         linker.close()
@@ -392,8 +374,8 @@ def test_window_that_is_not_the_restored_tail_fails_the_load(pool, linker):
     """A load whose SWA keys are not the trailing pages of its KV keys (or are
     missing) restores nothing rather than leaving window rows stale."""
     keys = hashes(4, "tail")
-    fill(pool.full_kv_pool, [1, 2, 3, 4], seed=14)
-    fill(pool.swa_kv_pool, [1, 2, 3, 4], seed=15)
+    fill_random(pool.full_kv_pool, [1, 2, 3, 4], seed=14)
+    fill_random(pool.swa_kv_pool, [1, 2, 3, 4], seed=15)
     assert offload(linker, transfers(keys, [1, 2, 3, 4], keys, [1, 2, 3, 4])) is True
     for rid, window in (("mid", keys[1:3]), ("none", [])):
         prepare(linker, rid, keys)
@@ -413,8 +395,8 @@ def test_window_that_is_not_the_restored_tail_fails_the_load(pool, linker):
 def test_lookup_without_window_keys_requires_window_kv_for_every_page(pool, linker):
     """No SWA keys in the lookup: conservatively, every page needs window KV."""
     keys = hashes(3, "nokeys")
-    fill(pool.full_kv_pool, [1, 2, 3], seed=16)
-    fill(pool.swa_kv_pool, [2, 3], seed=17)
+    fill_random(pool.full_kv_pool, [1, 2, 3], seed=16)
+    fill_random(pool.swa_kv_pool, [2, 3], seed=17)
     assert offload(linker, transfers(keys, [1, 2, 3], keys[1:], [2, 3])) is True
     prepare(linker, "nk", keys)
     assert linker.lookup("nk", transfers(keys, window_keys=[])) == []

@@ -18,6 +18,7 @@ from cpu_harness.kvcr_pages import (
     make_linker,
     make_pool,
     offload_and_commit,
+    owner_stalled,
     page_bytes,
     prepare,
     restore,
@@ -454,33 +455,14 @@ def test_full_staging_area_fails_the_offload_in_fifo_order(pool):
         lk.close()
 
 
-def _stall_owner(lk, gate):
-    """Park the owner thread on ``gate`` so submitted KVCR commands stay queued."""
-    entered = threading.Event()
-
-    def hold(_kv):
-        entered.set()
-        gate.wait(10)
-
-    t = threading.Thread(target=lambda: lk._adapter.call(hold, timeout_s=15))
-    t.start()
-    assert entered.wait(10)
-    return t
-
-
 def test_a_stale_attempt_never_satisfies_a_newer_one(pool, linker):
     """Attempt 0's late fetch results are released, never credited to attempt 1."""
     fill_pages(pool, [1, 2], seed=16)
     old, new = page_hashes(2, "old"), page_hashes(2, "new")
     assert offload_and_commit(linker, old, [1, 2]) is True
-    gate = threading.Event()
-    stall = _stall_owner(linker, gate)
-    try:
+    with owner_stalled(linker):
         linker.prepare_request(LinkerRequestContext("r", 0), kv_transfer(old))
         h1 = linker.prepare_request(LinkerRequestContext("r", 1), kv_transfer(new))
-    finally:
-        gate.set()
-        stall.join(15)
     wait_until(lambda: linker.preparation_ready(h1), what="attempt 1 ready")
     wait_until(
         lambda: (linker._pump(), linker.stats.late_claims_released == 2)[1],

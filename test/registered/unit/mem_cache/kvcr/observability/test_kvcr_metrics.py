@@ -15,7 +15,6 @@ import re
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -31,14 +30,13 @@ from cpu_harness.kvcr_pages import (
     offload_and_commit,
     prepare,
 )
-from cpu_harness.server import server_env
+from cpu_harness.server import REPO, server_env
 from sglang.srt.mem_cache.storage.kvcr.fleet.router_hint import HintStats
 from sglang.srt.mem_cache.storage.kvcr.observability import linker_metrics, linker_stats
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import AdapterStats
 
 pytestmark = pytest.mark.kvcr
 
-REPO = Path(__file__).resolve().parents[4]
 LABELS = {"model_name": "tiny-test", "tp_rank": "0"}
 
 

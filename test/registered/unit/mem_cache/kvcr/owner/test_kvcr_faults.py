@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from cpu_harness.kvcr_pages import wait_until
 from kvcr_drivers.faults import common as faults
 from kvcr_drivers.faults import local
 from kvcr_drivers.faults.peer_scenarios import run_peer_scenarios
@@ -185,4 +186,4 @@ def test_control_port_chosen_by_the_os_is_never_released_before_use():
                 return False
             return True
 
-    faults.wait_until(released, timeout=10.0, what="port released by close()")
+    wait_until(released, timeout=10.0, what="port released by close()")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import re
-import threading
 import time
 from array import array
 from collections.abc import Callable, Iterator
@@ -28,6 +27,7 @@ import pytest
 import torch
 
 from cpu_harness import kvcr_stack
+from cpu_harness.kvcr_pages import buffers, fill_random, owner_stalled, wait_until
 from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRUnavailableError
 from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration, stored_marks
 from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
@@ -50,7 +50,6 @@ KVCR_CONFIG = {
     # Far past any stall below: readiness must come from landed pages.
     "preparation_timeout_ms": 10_000,
 }
-WAIT_S = 10.0
 GEOMETRY = kvcr_stack.Geometry(PAGE, LAYERS, HEADS, DIM, POOL_TOKENS)
 
 
@@ -101,32 +100,9 @@ def make_stack() -> Iterator[Callable[..., Stack]]:
 # ---- helpers -------------------------------------------------------------------
 
 
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = WAIT_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.002)
-    raise AssertionError(f"{what}: not reached within {timeout} s")
-
-
-def kv_buffers(kvcache: Any) -> list[torch.Tensor]:
-    return [
-        b
-        for layer in range(LAYERS)
-        for b in (kvcache.k_buffer[layer], kvcache.v_buffer[layer])
-    ]
-
-
-def fill_random(kvcache: Any, slots: torch.Tensor, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for buf in kv_buffers(kvcache):
-        buf[slots] = torch.randn(len(slots), HEADS, DIM, generator=gen).to(buf.dtype)
-
-
 def kv_bytes(kvcache: Any, slots: torch.Tensor) -> torch.Tensor:
     return torch.cat(
-        [buf[slots].reshape(-1).view(torch.uint8) for buf in kv_buffers(kvcache)]
+        [buf[slots].reshape(-1).view(torch.uint8) for buf in buffers(kvcache)]
     )
 
 
@@ -155,7 +131,7 @@ def commit_offloads(cache: Any) -> None:
         cache.check_hicache_events()
         return not cache.linker.pending_offloads
 
-    wait_until(committed, "offloads committed")
+    wait_until(committed, what="offloads committed")
 
 
 def insert(stack: Stack, tokens: list[int], *, seed: int, salt: str | None = None):
@@ -164,7 +140,7 @@ def insert(stack: Stack, tokens: list[int], *, seed: int, salt: str | None = Non
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
     slots = stack.allocator.alloc(len(tokens))
-    fill_random(stack.kvcache, slots, seed)
+    fill_random(stack.kvcache, slots, seed, page=1)
     original = kv_bytes(stack.kvcache, slots).clone()
     stack.cache.insert(InsertParams(key=radix_key(tokens, salt), value=slots))
     return slots, original
@@ -223,28 +199,6 @@ def enqueue(scheduler: StubScheduler, req: Any) -> None:
     Scheduler._add_request_to_queue(scheduler, req)
 
 
-@contextlib.contextmanager
-def owner_thread_stalled(linker: Any) -> Iterator[None]:
-    """Keep the KVCR owner thread busy so submitted fetches stay queued."""
-    entered, gate = threading.Event(), threading.Event()
-
-    def hold(_kvcr: Any) -> None:
-        entered.set()
-        gate.wait(WAIT_S)
-
-    caller = threading.Thread(
-        target=linker._adapter.call, args=(hold, WAIT_S + 5), daemon=True
-    )
-    caller.start()
-    assert entered.wait(WAIT_S), "the owner thread never picked up the stall"
-    try:
-        yield
-    finally:
-        gate.set()
-        caller.join(WAIT_S)
-        assert not caller.is_alive(), "the stall call did not return"
-
-
 def ids(reqs: list[Any]) -> list[str]:
     return [r.rid for r in reqs]
 
@@ -283,7 +237,7 @@ def test_pending_preparation_is_held_back_then_its_tail_is_restored_bit_exact(
     prefix = list(range(100, 100 + 4 * PAGE))
     _, original = insert_and_commit(stack, prefix, seed=1)
     evict_from_device(stack, prefix)
-    for buf in kv_buffers(stack.kvcache):
+    for buf in buffers(stack.kvcache):
         buf.zero_()  # nothing of the prefix survives on the device
 
     a = make_req("A", [*prefix, 7, 8, 9])
@@ -309,7 +263,7 @@ def test_pending_preparation_is_held_back_then_its_tail_is_restored_bit_exact(
             admit_everything_seen, sched, "delayer", running_batch="rb"
         )
 
-    with owner_thread_stalled(linker):
+    with owner_stalled(linker):
         for req in (a, b, c):
             enqueue(sched, req)
         assert ids(sched.waiting_queue) == ["A", "B", "C"]
@@ -319,8 +273,8 @@ def test_pending_preparation_is_held_back_then_its_tail_is_restored_bit_exact(
         assert passes == [["B"]]
         assert ids(sched.waiting_queue) == ["A", "C", "late"]
 
-    wait_until(lambda: linker.preparation_ready(handle_of(a)), "A prepared")
-    wait_until(lambda: linker.preparation_ready(handle_of(c)), "C prepared")
+    wait_until(lambda: linker.preparation_ready(handle_of(a)), what="A prepared")
+    wait_until(lambda: linker.preparation_ready(handle_of(c)), what="C prepared")
     assert linker.stats.prepare_deadline_expired == 0
     assert linker.claims_held() == 2 * len(prefix) // PAGE
     assert prefill_pass() == "batch"
@@ -359,12 +313,12 @@ def test_tail_behind_a_device_resident_prefix_is_prepared_and_restored_bit_exact
     insert_and_commit(stack, [*x[: 2 * PAGE], *range(900, 900 + 2 * PAGE)], seed=4)
     cache.evict(EvictParams(num_tokens=2 * PAGE))
     assert device_match(cache, x).device_prefix_len == 2 * PAGE
-    for buf in kv_buffers(stack.kvcache):
+    for buf in buffers(stack.kvcache):
         buf[tail_slots] = 0
 
     a = make_req("A", [*x, 1, 2, 3])
     enqueue(StubScheduler(cache), a)
-    wait_until(lambda: linker.preparation_ready(handle_of(a)), "A prepared")
+    wait_until(lambda: linker.preparation_ready(handle_of(a)), what="A prepared")
     assert linker.claims_held() == 2
     a.init_next_round_input(cache)
     assert (a.prefix_len, a.host_hit_length) == (2 * PAGE, 2 * PAGE)
@@ -413,14 +367,14 @@ def test_ending_a_prepared_request_releases_every_claim_in_kvcr(
     released_before = linker._adapter.stats().claims_released
 
     if while_fetching:
-        with owner_thread_stalled(linker):
+        with owner_stalled(linker):
             enqueue(sched, req)
             assert not linker.preparation_ready(handle_of(req))
             end(cache, req)
             assert linker.claims_held() == 0
     else:
         enqueue(sched, req)
-        wait_until(lambda: linker.preparation_ready(handle_of(req)), "R prepared")
+        wait_until(lambda: linker.preparation_ready(handle_of(req)), what="R prepared")
         assert linker.claims_held() == pages
         end(cache, req)
         assert linker.claims_held() == 0
@@ -429,7 +383,7 @@ def test_ending_a_prepared_request_releases_every_claim_in_kvcr(
         cache.check_hicache_events()  # the per-step poll pumps KVCR results
         return linker._adapter.stats().claims_released - released_before >= pages
 
-    wait_until(all_released, "claims released in KVCR")
+    wait_until(all_released, what="claims released in KVCR")
     assert linker._adapter.stats().claims_released - released_before == pages
     assert linker.claims_held() == 0
     assert linker.stats.late_claims_released == (pages if while_fetching else 0)
@@ -466,7 +420,7 @@ def test_admission_wait_counts_a_held_request_once_and_nothing_else(make_stack):
     def prefill_pass() -> None:
         assert integration._around_get_new_batch_prefill(admit_all, sched) == "batch"
 
-    with owner_thread_stalled(linker):
+    with owner_stalled(linker):
         for req in (held, zero, gone):
             enqueue(sched, req)
         first_pass = time.monotonic()
@@ -478,7 +432,7 @@ def test_admission_wait_counts_a_held_request_once_and_nothing_else(make_stack):
         sched.waiting_queue.remove(gone)
     assert stat(linker, "admission_held") == 0  # nothing let through yet
 
-    wait_until(lambda: linker.preparation_ready(handle_of(held)), "held prepared")
+    wait_until(lambda: linker.preparation_ready(handle_of(held)), what="held prepared")
     prefill_pass()
     elapsed_ms = (time.monotonic() - first_pass) * 1000.0
     assert sched.waiting_queue == []
@@ -574,7 +528,7 @@ def test_kvcr_eviction_clears_stored_marks_publishes_removal_and_reoffloads(
         cache.check_hicache_events()
         return sum(not v for v in marks().values()) >= 2
 
-    wait_until(two_cleared, "stored marks cleared for KVCR-evicted pages")
+    wait_until(two_cleared, what="stored marks cleared for KVCR-evicted pages")
     events += cache.take_events()
     cleared = sorted(i for i, stored in marks().items() if not stored)
     assert len(cleared) == 2, marks()
@@ -624,7 +578,7 @@ def test_kvcr_eviction_clears_the_mark_a_node_split_moved_to_a_new_parent(make_s
         cache.check_hicache_events()
         return not node_of(cache, x).external_cache_stored
 
-    wait_until(x_marks_cleared, "x's stored mark cleared")
+    wait_until(x_marks_cleared, what="x's stored mark cleared")
     events += cache.take_events()
     assert stack.linker.stats.evicted_pages == 3
     assert not node_of(cache, x[:PAGE]).external_cache_stored
@@ -652,7 +606,7 @@ def test_kvcr_eviction_of_pages_no_longer_on_the_device_still_publishes_removal(
         cache.check_hicache_events()
         return stack.linker.stats.evicted_pages >= 2
 
-    wait_until(x_evicted_from_kvcr, "x evicted from KVCR")
+    wait_until(x_evicted_from_kvcr, what="x evicted from KVCR")
     cache.check_hicache_events()
     events += cache.take_events()
     assert sorted(removed_hashes(events, StorageMedium.EXTERNAL)) == sorted(x_hashes)
@@ -678,11 +632,11 @@ def test_one_evicted_page_announces_only_that_page_removed(make_stack):
         return linker.stats.evicted_pages >= n and len(removed) >= n
 
     insert_and_commit(stack, list(range(950, 950 + PAGE)), seed=41)
-    wait_until(lambda: evicted(1), "one of x's pages evicted")
+    wait_until(lambda: evicted(1), what="one of x's pages evicted")
     assert len(removed) == 1 and removed[0] in x_hashes, (removed, x_hashes)
     assert not node_of(cache, x, "tenant-a").external_cache_stored
     insert_and_commit(stack, list(range(970, 970 + PAGE)), seed=42)
-    wait_until(lambda: evicted(2), "a second page of x evicted")
+    wait_until(lambda: evicted(2), what="a second page of x evicted")
     assert len(set(removed)) == len(removed) == 2, removed
     assert set(removed) <= set(x_hashes)
 

@@ -218,17 +218,6 @@ def _handle_of(req: Any) -> Any:
     return PreparationHandle(req.rid, req.cache_request_handle.attempt_id)
 
 
-def _fill(pool: Any, indices: Any, rank: int, seed: int) -> None:
-    import torch
-
-    gen = torch.Generator().manual_seed(1000 * rank + seed)
-    for layer in range(LAYERS):
-        for buf in (pool.k_buffer[layer], pool.v_buffer[layer]):
-            buf[indices] = torch.randn(len(indices), HEADS, DIM, generator=gen).to(
-                buf.dtype
-            )
-
-
 def _insert(cache: Any, tokens: list[int], value: Any) -> None:
     from array import array
 
@@ -282,6 +271,8 @@ def _offload_scenario(
 ) -> dict[str, Any]:
     import torch
 
+    from cpu_harness.kvcr_pages import fill_random
+
     linker = cache.linker.cache_linker
     out: dict[str, Any] = {}
     committed: list[list[bool]] = []
@@ -305,7 +296,7 @@ def _offload_scenario(
         # Phase 1: a four-page node; rank 1's deposit is over its budget.
         first = list(range(1000, 1000 + FIRST_PAGES * PAGE))
         first_value = allocator.alloc(len(first))
-        _fill(pool, first_value, rank, seed=1)
+        fill_random(pool, first_value, 1000 * rank + 1, page=1)
         _insert(cache, first, first_value)
         out["pending_after_first_insert"] = len(cache.linker.pending_offloads)
         out["first_rounds"] = _drain(cache)
@@ -325,7 +316,7 @@ def _offload_scenario(
         committed.clear()
         second = first + list(range(5000, 5000 + PAGE))
         tail_value = allocator.alloc(PAGE)
-        _fill(pool, tail_value, rank, seed=2)
+        fill_random(pool, tail_value, 1000 * rank + 2, page=1)
         _insert(cache, second, torch.cat([first_value, tail_value]))
         out["pending_after_second_insert"] = len(cache.linker.pending_offloads)
         out["second_rounds"] = _drain(cache)

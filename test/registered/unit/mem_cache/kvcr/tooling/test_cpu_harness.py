@@ -10,9 +10,8 @@ import sys
 from pathlib import Path
 
 from cpu_harness import tiny_model
-from cpu_harness.server import PYTHONPATH_DIR, free_port, python_executable
+from cpu_harness.server import PYTHONPATH_DIR, REPO, free_port, python_executable
 
-REPO = Path(__file__).resolve().parents[4]
 SUBPROCESS_TIMEOUT_S = 120
 
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[4]
+from cpu_harness.server import REPO
+
 SCRIPT = REPO / "test" / "manual" / "kvcr_direct_linker" / "gpu_check.sh"
 STAGES = ["env", "gpu-tests", "microbench", "bench"]
 

@@ -11,12 +11,11 @@ the table is regenerated.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
+from cpu_harness.server import REPO
 from kvcr_drivers.bench import figures, micro
 from kvcr_drivers.bench.metrics import TARGETS
 
-REPO = Path(__file__).resolve().parents[4]
 DOCS = REPO / "docs" / "kvcr_direct_linker.md"
 PINS = REPO / "requirements" / "cpu.txt"
 

@@ -27,6 +27,7 @@ import pytest
 from PIL import Image
 
 from cpu_harness import server as harness
+from cpu_harness.server import REPO
 from kvcr_drivers.bench import micro, plot, serving_bench
 from kvcr_drivers.bench.copy_prepare import bench_copy_and_prepare
 from kvcr_drivers.bench.serving import page_aligned
@@ -34,10 +35,10 @@ from kvcr_drivers.bench.serving_micro import zero_hit_details
 from kvcr_drivers.bench.transfer import bench_transfer
 from sglang.srt.mem_cache.storage.kvcr.observability.linker_stats import stats_line
 
-REPO = Path(__file__).resolve().parents[4]
+# The CLIs, for their real option defaults.
 sys.path.insert(0, str(REPO / "test" / "manual" / "kvcr_direct_linker"))
-import kvcr_bench  # noqa: E402  (the CLIs, for their real option defaults)
-import kvcr_microbench  # noqa: E402
+import kvcr_bench
+import kvcr_microbench
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 VARIANTS = ("none", "none_pytree", "kvcr")
