@@ -12,7 +12,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sglang.srt.mem_cache.unified_cache.unified_cache_linker import UnifiedCacheLinker
+from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
+    LayerWiseLoadCounter,
+    UnifiedCacheLinker,
+)
 
 from sglang.srt.mem_cache.storage.kvcr import rank_setup
 from sglang.srt.mem_cache.storage.kvcr.config.linker_config import KVCRLinkerConfig
@@ -69,6 +72,9 @@ def build_linker(
     # The rank's device, captured here on the scheduler thread: side threads
     # start on device 0 and bind to it before touching CUDA.
     device = DeviceBinding.of(layout.pools[0].tensors[0].device)
+    # Registered before anything starts: a refusal here leaves nothing running.
+    counter = LayerWiseLoadCounter(layout.num_layers)
+    rank_setup.register_state_counter(params, layout, counter)
     sharers = dram_ranks(placement, replicas is not NO_REPLICAS)
     resources = rank_setup.build_resources(layout, config, sharers, device, page_size)
     setup = rank_setup.LinkerSetup(
@@ -76,11 +82,10 @@ def build_linker(
         rank=rank,
         resources=resources,
         device=device,
+        counter=counter,
         server_args=server_args,
         page_size=page_size,
         replicas=replicas,
         forward_stream=forward_stream,
     )
-    linker = KVCRDirectLinker(setup)  # owns the resources from here on
-    rank_setup.register_state_counter(params, layout, linker.layer_done_counter)
-    return linker
+    return KVCRDirectLinker(setup)  # owns the resources from here on

@@ -21,7 +21,6 @@ from typing import Any
 
 from sglang.srt.mem_cache.hicache_storage import PoolTransfer
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
-    LayerWiseLoadCounter,
     UnifiedCacheLinker,
 )
 
@@ -89,7 +88,7 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
         self.placement, self.layout = rank.placement, rank.layout
         self.weights, self.pools = rank.weights, rank.pools
         self.num_layers = self.layout.num_layers
-        self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
+        self.layer_done_counter = setup.counter
         self._device = setup.device
         # Deposits wait on events after the writing batch (none on CPU: no async).
         self._ready_events = (

@@ -53,6 +53,10 @@ from sglang.srt.mem_cache.storage.kvcr.layout.rank_placement import (
 from sglang.srt.mem_cache.storage.kvcr.owner.quarantine import KVCRDram
 
 if TYPE_CHECKING:
+    from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (
+        LayerWiseLoadCounter,
+    )
+
     from kvcr.types import RegionDescriptor
     from sglang.srt.mem_cache.storage.kvcr.datapath.replica_broadcast import (
         NoReplicas,
@@ -209,6 +213,7 @@ class LinkerSetup:
     rank: RankDescription
     resources: RankResources
     device: DeviceBinding  # the rank's device, captured on the scheduler thread
+    counter: LayerWiseLoadCounter  # already registered where SGLang waits on it
     server_args: Any  # SGLang's ServerArgs (the metrics' labels)
     page_size: int
     replicas: ReplicaBroadcast | NoReplicas

@@ -99,7 +99,12 @@ def test_each_series_moves_by_what_the_snapshot_moved():
 
 
 def _snapshot(adapter: AdapterStats, hints: HintStats) -> dict:
-    gauges = linker_stats.Gauges()
+    gauges = linker_stats.Gauges(
+        linker_stats.DramGauges(),
+        linker_stats.ResidencyGauges(),
+        linker_stats.PreparationGauges(),
+        inbound_refused=0,
+    )
     return linker_stats.snapshot(
         linker_stats.LinkerStats(), gauges, adapter, hints.as_dict()
     )

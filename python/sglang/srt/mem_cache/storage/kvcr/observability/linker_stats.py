@@ -132,10 +132,10 @@ class Gauges:
     """Values read off the collaborators' live state for one snapshot, each part
     from the collaborator that owns it."""
 
-    dram: DramGauges = DramGauges()
-    residency: ResidencyGauges = ResidencyGauges()
-    preparations: PreparationGauges = PreparationGauges()
-    inbound_refused: int = 0  # control messages the inbound guard refused
+    dram: DramGauges
+    residency: ResidencyGauges
+    preparations: PreparationGauges
+    inbound_refused: int  # control connections the inbound guard refused
 
 
 def snapshot(
