@@ -4,60 +4,51 @@ The GPU host gets the Python-only ``sglang-kernel`` wheel (every ``.so`` removed
 real ``common_ops`` is built against another torch). Its ``__init__.py`` raises
 ``ImportError`` when no ``common_ops`` library loads, and SGLang imports
 ``sgl_kernel`` names at module level under ``if _is_cuda``. So, when
-``SGLANG_KVCR_PY_ONLY_SGL_KERNEL=1``, this installs the project's ``sgl_kernel``
-import hook (``test/cpu_harness/pythonpath/sgl_kernel_cpu_hook.py``: ``common_ops``
-becomes ``None``, the libcudart preload is skipped; torch has loaded its own CUDA
-runtime already) WITHOUT setting ``SGLANG_USE_CPU_ENGINE``: SGLang keeps its CUDA
-paths, and any call into a missing native op fails loudly instead of running a CPU
-kernel. The serving run pairs it with torch-native fused ops, Triton attention,
-PyTorch sampling and no CUDA graphs (see gpu_check.sh).
+``SGLANG_KVCR_PY_ONLY_SGL_KERNEL`` is set (``1``, ``true``, ``yes`` or ``on``), this
+installs the project's ``sgl_kernel`` import hook
+(``test/cpu_harness/pythonpath/sgl_kernel_cpu_hook.py``: ``common_ops`` becomes
+``None``, the libcudart preload is skipped; torch has loaded its own CUDA runtime
+already) WITHOUT setting ``SGLANG_USE_CPU_ENGINE``: SGLang keeps its CUDA paths, and
+any call into a missing native op fails loudly instead of running a CPU kernel. The
+serving run pairs it with torch-native fused ops, Triton attention, PyTorch sampling
+and no CUDA graphs (see gpu_check.sh).
 
-With ``SGLANG_USE_CPU_ENGINE=1`` it installs the same hook, as the CPU harness'
-``sitecustomize`` does, so putting this directory first on ``PYTHONPATH`` never
-changes a CPU run. Then it runs the next ``sitecustomize`` further along
+``SGLANG_USE_CPU_ENGINE`` set installs the same hook, but not the CPU harness's
+SGLang patches (``sglang_cpu_patches``): a CPU run that needs them (MLA, SWA) puts
+``../pythonpath`` first. Then it runs the next ``sitecustomize`` further along
 ``sys.path``, skipping the CPU harness one (which chains to this one when it comes
-first, so each runs at most once).
+first, so each runs at most once). The code is ``harness_import_hooks.start_up``
+in ``../pythonpath``, loaded from its file: this directory alone puts nothing on
+``sys.path`` (the harness there holds a torchvision stand-in) unless a flag is set.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
+import types
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_CPU_PYTHONPATH = os.path.join(os.path.dirname(_HERE), "pythonpath")
-_TRUE = ("1", "true", "yes", "on")
+_HARNESS = os.path.join(os.path.dirname(_HERE), "pythonpath")
 
 
-def _wanted() -> bool:
-    flags = ("SGLANG_KVCR_PY_ONLY_SGL_KERNEL", "SGLANG_USE_CPU_ENGINE")
-    return any(os.environ.get(f, "").strip().lower() in _TRUE for f in flags)
+def _harness_import_hooks() -> types.ModuleType:
+    module = sys.modules.get("harness_import_hooks")
+    if module is None:
+        path = os.path.join(_HARNESS, "harness_import_hooks.py")
+        spec = importlib.util.spec_from_file_location("harness_import_hooks", path)
+        assert spec is not None and spec.loader is not None, path
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["harness_import_hooks"] = module
+        spec.loader.exec_module(module)
+    return module
 
 
-def _install_hook() -> None:
-    if not _wanted():
-        return
-    if _CPU_PYTHONPATH not in sys.path:
-        sys.path.append(_CPU_PYTHONPATH)
-    import sgl_kernel_cpu_hook
-
-    sgl_kernel_cpu_hook.install()
-
-
-def _chain_next_sitecustomize() -> None:
-    import importlib.machinery
-    import importlib.util
-
-    skip = {_HERE, os.path.abspath(_CPU_PYTHONPATH)}
-    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) not in skip]
-    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
-    if spec is None or spec.loader is None:
-        return
-    if spec.origin and os.path.dirname(os.path.abspath(spec.origin)) in skip:
-        return
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-
-
-_install_hook()
-_chain_next_sitecustomize()
+_harness_import_hooks().start_up(
+    __file__,
+    flags=("SGLANG_KVCR_PY_ONLY_SGL_KERNEL", "SGLANG_USE_CPU_ENGINE"),
+    true=("1", "true", "yes", "on"),
+    cpu_patches=False,
+    skip_dirs=(_HARNESS,),
+)

@@ -10,18 +10,18 @@ This module adapts the installed package at runtime, touching no file on disk:
 a meta-path finder intercepts the import of ``sgl_kernel`` and, once the package
 module is registered, replaces ``sgl_kernel.load_utils._load_architecture_specific_ops``
 (so ``common_ops`` becomes ``None``) and ``_preload_cuda_library`` (a no-op) before
-running the installed ``__init__.py`` unchanged. Nothing here imports torch; the
-finder is cheap to install at interpreter start-up (see ``sitecustomize``).
+running the installed ``__init__.py`` unchanged (a ``harness_import_hooks.ModuleHook``).
+Nothing here imports torch; the finder is cheap to install at interpreter start-up
+(see ``sitecustomize``).
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
+import importlib
 import types
-from collections.abc import Sequence
 from typing import Any
+
+from harness_import_hooks import ModuleHook
 
 PACKAGE = "sgl_kernel"
 
@@ -36,77 +36,25 @@ def _no_cuda_preload(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-class _NeutralizingLoader(importlib.abc.Loader):
-    """Wraps the real loader; patches ``load_utils`` before running ``__init__``."""
+class SglKernelCpuFinder(ModuleHook):
+    """Finds the real ``sgl_kernel`` package; patches ``load_utils`` before its
+    ``__init__`` runs."""
 
-    def __init__(self, wrapped: importlib.abc.Loader) -> None:
-        self._wrapped = wrapped
+    TARGETS = frozenset({PACKAGE})
+    PACKAGES_ONLY = True  # not the package we know how to adapt: leave it alone
 
-    def __getattr__(self, name: str) -> Any:
-        # get_source, get_resource_reader, is_package, ...: the real loader's.
-        return getattr(self._wrapped, name)
-
-    def create_module(
-        self, spec: importlib.machinery.ModuleSpec
-    ) -> types.ModuleType | None:
-        return self._wrapped.create_module(spec)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        # The import system has already put ``module`` into sys.modules with its
-        # ``__path__`` set from the spec, so importing the submodule resolves
-        # against the installed package without running ``__init__.py``.
+    def before(self, module: types.ModuleType) -> None:
+        # ``module`` is in sys.modules with its ``__path__`` set from the spec, so
+        # the submodule resolves against the installed package without running
+        # ``__init__.py``.
         load_utils: Any = importlib.import_module(f"{PACKAGE}.load_utils")
         load_utils._load_architecture_specific_ops = _no_native_ops
         load_utils._preload_cuda_library = _no_cuda_preload
         module.__sgl_kernel_cpu_hook__ = True  # type: ignore[attr-defined]
-        self._wrapped.exec_module(module)
 
 
-class SglKernelCpuFinder(importlib.abc.MetaPathFinder):
-    """Finds the real ``sgl_kernel`` via the other finders and wraps its loader."""
-
-    def find_spec(
-        self,
-        fullname: str,
-        path: Sequence[str] | None = None,
-        target: types.ModuleType | None = None,
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != PACKAGE:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or isinstance(finder, SglKernelCpuFinder):
-                continue
-            find = getattr(finder, "find_spec", None)
-            if find is None:
-                continue
-            spec = find(fullname, path, target)
-            if spec is None:
-                continue
-            if spec.loader is None or spec.submodule_search_locations is None:
-                return None  # not the package we know how to adapt; leave it alone
-            spec.loader = _NeutralizingLoader(spec.loader)
-            return spec
-        return None
-
-
-def install() -> bool:
-    """Put the finder first on ``sys.meta_path``; True when newly installed.
-
-    Must run before the first ``import sgl_kernel`` of the process; an already
-    imported ``sgl_kernel`` is left as it is.
-    """
-    if any(isinstance(f, SglKernelCpuFinder) for f in sys.meta_path):
-        return False
-    sys.meta_path.insert(0, SglKernelCpuFinder())
-    return True
-
-
-def uninstall() -> None:
-    """Remove the finder (modules already imported stay imported)."""
-    sys.meta_path[:] = [
-        f for f in sys.meta_path if not isinstance(f, SglKernelCpuFinder)
-    ]
-
-
-def is_installed() -> bool:
-    return any(isinstance(f, SglKernelCpuFinder) for f in sys.meta_path)
+# Must run before the first ``import sgl_kernel`` of the process; an already
+# imported ``sgl_kernel`` is left as it is.
+install = SglKernelCpuFinder.install
+uninstall = SglKernelCpuFinder.uninstall
+is_installed = SglKernelCpuFinder.is_installed

@@ -14,19 +14,20 @@ at full-pool ``req_to_token`` slots (wrong rows, and an index error once a promp
 outgrows the SWA pool); the patch makes ``forward_extend`` / ``forward_decode``
 read SWA layers at the pool's ``full_to_swa_index_mapping`` of those slots, leaving
 full-attention layers and non-SWA pools as they were. Installed from
-``sitecustomize`` when ``SGLANG_USE_CPU_ENGINE=1``; nothing here imports torch.
+``sitecustomize`` when ``SGLANG_USE_CPU_ENGINE=1`` (a ``harness_import_hooks.ModuleHook``);
+nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
 import logging
 import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
+
+from harness_import_hooks import ModuleHook
 
 logger = logging.getLogger(__name__)
 
@@ -108,69 +109,27 @@ def apply(name: str, module: types.ModuleType) -> bool:
     return True
 
 
-class _PatchingLoader(importlib.abc.Loader):
-    """Wraps the real loader; patches the module after its code has run."""
+class SglangCpuPatchFinder(ModuleHook):
+    """Finds the two target modules; patches each once its own code has run."""
 
-    def __init__(self, wrapped: importlib.abc.Loader) -> None:
-        self._wrapped = wrapped
+    TARGETS = frozenset(PATCHES)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._wrapped, name)
-
-    def create_module(
-        self, spec: importlib.machinery.ModuleSpec
-    ) -> types.ModuleType | None:
-        return self._wrapped.create_module(spec)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        self._wrapped.exec_module(module)
+    def after(self, module: types.ModuleType) -> None:
         apply(module.__name__, module)
 
-
-class SglangCpuPatchFinder(importlib.abc.MetaPathFinder):
-    """Finds the two target modules via the other finders and wraps their loaders."""
-
-    def find_spec(
-        self,
-        fullname: str,
-        path: Sequence[str] | None = None,
-        target: types.ModuleType | None = None,
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in PATCHES:
-            return None
-        for finder in sys.meta_path:
-            if isinstance(finder, SglangCpuPatchFinder):
-                continue
-            find = getattr(finder, "find_spec", None)
-            spec = None if find is None else find(fullname, path, target)
-            if spec is None:
-                continue
-            if spec.loader is None:
-                return None
-            spec.loader = _PatchingLoader(spec.loader)
-            return spec
-        return None
+    @classmethod
+    def install(cls) -> bool:
+        """Put the finder first on ``sys.meta_path``, patching any target already
+        imported; True when newly installed."""
+        if not super().install():
+            return False
+        for name in PATCHES:
+            module = sys.modules.get(name)
+            if module is not None:
+                apply(name, module)
+        return True
 
 
-def install() -> bool:
-    """Put the finder first on ``sys.meta_path``, patching any target already
-    imported; True when newly installed."""
-    if is_installed():
-        return False
-    sys.meta_path.insert(0, SglangCpuPatchFinder())
-    for name in PATCHES:
-        module = sys.modules.get(name)
-        if module is not None:
-            apply(name, module)
-    return True
-
-
-def uninstall() -> None:
-    """Remove the finder (modules already patched stay patched)."""
-    sys.meta_path[:] = [
-        f for f in sys.meta_path if not isinstance(f, SglangCpuPatchFinder)
-    ]
-
-
-def is_installed() -> bool:
-    return any(isinstance(f, SglangCpuPatchFinder) for f in sys.meta_path)
+install = SglangCpuPatchFinder.install
+uninstall = SglangCpuPatchFinder.uninstall
+is_installed = SglangCpuPatchFinder.is_installed

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from cpu_harness import tiny_model
 from cpu_harness.server import PYTHONPATH_DIR, REPO, free_port, python_executable
 
@@ -151,6 +153,87 @@ def test_sgl_kernel_hook_inactive_without_cpu_engine_flag() -> None:
     assert proc.returncode != 0
     assert "AssertionError" not in proc.stderr
     assert "common_ops" in proc.stderr, proc.stderr[-4000:]
+
+
+GPU_PYTHONPATH_DIR = PYTHONPATH_DIR.parent / "gpu_pythonpath"
+CPU_ENGINE = {"SGLANG_USE_CPU_ENGINE": "1"}
+PY_ONLY = {"SGLANG_KVCR_PY_ONLY_SGL_KERNEL": "1"}
+
+_STARTUP_PROBE = """
+import json, os, sys
+print(json.dumps({
+    "finders": [type(f).__name__ for f in sys.meta_path],
+    "patches": "sglang_cpu_patches" in sys.modules,
+    "harness_on_path": %r in [os.path.abspath(p) for p in sys.path if p],
+    "chained": os.environ.get("KVCR_TEST_CHAINED", ""),
+}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("dirs", "flags", "hook", "patches", "on_path"),
+    [
+        # make test, and the CPU servers it starts.
+        ((PYTHONPATH_DIR,), CPU_ENGINE, True, True, True),
+        ((PYTHONPATH_DIR,), {}, False, False, True),
+        # SGLang reads only 1/true as the CPU engine flag; so does the hook.
+        ((PYTHONPATH_DIR,), {"SGLANG_USE_CPU_ENGINE": "yes"}, False, False, True),
+        # gpu_check.sh on the GPU host: the Python-only sgl_kernel, no CPU patches.
+        ((GPU_PYTHONPATH_DIR, PYTHONPATH_DIR), PY_ONLY, True, False, True),
+        (
+            (GPU_PYTHONPATH_DIR,),
+            {"SGLANG_KVCR_PY_ONLY_SGL_KERNEL": "on"},
+            True,
+            False,
+            True,
+        ),
+        # The GPU directory alone, no flag: nothing installed, nothing added.
+        ((GPU_PYTHONPATH_DIR,), {}, False, False, False),
+        # The CPU harness first: it runs, then the GPU one, each once.
+        ((PYTHONPATH_DIR, GPU_PYTHONPATH_DIR), CPU_ENGINE, True, True, True),
+    ],
+    ids=[
+        "cpu",
+        "cpu-no-flag",
+        "cpu-flag-yes",
+        "gpu-check",
+        "gpu-alone-flag-on",
+        "gpu-alone-no-flag",
+        "cpu-then-gpu",
+    ],
+)
+def test_start_up_shims_install_what_their_flags_ask_and_chain_once(
+    tmp_path: Path,
+    dirs: tuple[Path, ...],
+    flags: dict[str, str],
+    hook: bool,
+    patches: bool,
+    on_path: bool,
+) -> None:
+    """Each ``sitecustomize`` installs the sgl_kernel hook (and the CPU harness
+    one its SGLang patches) only under its flags, and the next ``sitecustomize``
+    on the path still runs, exactly once."""
+    chained = tmp_path / "chained"
+    chained.mkdir()
+    (chained / "sitecustomize.py").write_text(
+        "import os\n"
+        'os.environ["KVCR_TEST_CHAINED"] = os.environ.get("KVCR_TEST_CHAINED", "") + "+"\n'
+    )
+    path = os.pathsep.join(str(d) for d in (*dirs, chained))
+    env = {"SGLANG_USE_CPU_ENGINE": None, "SGLANG_KVCR_PY_ONLY_SGL_KERNEL": None}
+    proc = _run_python(
+        _STARTUP_PROBE % str(PYTHONPATH_DIR.resolve()),
+        **{**env, **flags, "PYTHONPATH": path, "KVCR_TEST_CHAINED": None},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert ("SglKernelCpuFinder" in result["finders"]) is hook, result
+    if hook:
+        assert result["finders"][0] == "SglKernelCpuFinder"
+    assert ("SglangCpuPatchFinder" in result["finders"]) is patches, result
+    assert result["patches"] is patches
+    assert result["harness_on_path"] is on_path
+    assert result["chained"] == "+"
 
 
 def test_torchvision_stand_in_satisfies_imports() -> None:
