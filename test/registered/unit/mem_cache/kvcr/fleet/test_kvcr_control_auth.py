@@ -5,6 +5,7 @@ on lo, so a peer bound on 127.0.0.2 is a different address on the same host)."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 
 import pytest
@@ -72,6 +73,7 @@ def pull(source, peer, rid):
 
 def make_keys(tmp_path, name):
     public, secret = zmq.auth.create_certificates(tmp_path, name)
+    os.chmod(secret, 0o600)  # what the config requires of a secret key file
     return public, secret
 
 
@@ -245,6 +247,10 @@ def test_curve_config_is_validated_naming_the_field_and_the_fix(tmp_path):
     empty.mkdir()
     garbage = tmp_path / "garbage.key_secret"
     garbage.write_text("not a certificate\n")
+    garbage.chmod(0o600)
+    public_half = tmp_path / "public_half.key_secret"
+    shutil.copy(pub, public_half)
+    public_half.chmod(0o600)
     bad_dir = key_dir(tmp_path, "bad")
     (tmp_path / "bad" / "x.key").write_text("nothing here\n")
     cases = [
@@ -259,7 +265,7 @@ def test_curve_config_is_validated_naming_the_field_and_the_fix(tmp_path):
         ),
         (  # the public half given as the secret key
             {
-                "control_curve_secret_key_file": pub,
+                "control_curve_secret_key_file": str(public_half),
                 "control_curve_public_keys_dir": good,
             },
             "control_curve_secret_key_file",
@@ -296,3 +302,23 @@ def test_curve_config_is_validated_naming_the_field_and_the_fix(tmp_path):
     for fields, name in cases:
         with pytest.raises(KVCRConfigError, match=f"field '{name}'"):
             _config(**fields)
+
+
+def test_a_secret_key_others_can_read_or_own_is_refused(tmp_path, monkeypatch):
+    """Whoever can read this worker's secret key can pose as it to every peer."""
+    from sglang.srt.mem_cache.storage.kvcr.config import value_checks
+
+    pub, sec = make_keys(tmp_path, "w")
+    keys = key_dir(tmp_path, "keys", peer=pub)
+    fields = {
+        "control_curve_secret_key_file": sec,
+        "control_curve_public_keys_dir": keys,
+    }
+    _config(**fields)  # 0600 and ours: accepted
+    os.chmod(sec, 0o640)
+    with pytest.raises(KVCRConfigError, match=r"mode 640\); chmod 600 it"):
+        _config(**fields)
+    os.chmod(sec, 0o600)
+    monkeypatch.setattr(value_checks.os, "geteuid", lambda: os.stat(sec).st_uid + 1)
+    with pytest.raises(KVCRConfigError, match="not this worker's user"):
+        _config(**fields)

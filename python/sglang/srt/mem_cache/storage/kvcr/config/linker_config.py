@@ -214,7 +214,8 @@ class KVCRLinkerConfig:
             "zmq.auth.create_certificates writes). With "
             "control_curve_public_keys_dir it turns on CURVE on the control "
             "channel: peers must present a listed key, and this worker presents "
-            "its own when it dials. Empty: no CURVE."
+            "its own when it dials. It must belong to the server's user with mode "
+            "0600 (zmq writes it 0644: chmod 600 it). Empty: no CURVE."
         ),
     )
     control_curve_public_keys_dir: str = dataclasses.field(

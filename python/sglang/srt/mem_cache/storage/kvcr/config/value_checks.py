@@ -143,6 +143,7 @@ def check_curve_fields(secret: str, keys: str) -> None:
             f"{secret!r} is not a readable file; point it at this worker's "
             f"'.key_secret' file ({_MAKE_KEYS})",
         )
+    _check_private(secret)
     found = _curve_keys(_SECRET_FIELD, secret)
     if not _is_z85_key(found.get("secret-key")) or not _is_z85_key(
         found.get("public-key")
@@ -169,6 +170,24 @@ def check_curve_fields(secret: str, keys: str) -> None:
             raise config_error(
                 _KEYS_FIELD, f"{path!r} holds no valid CURVE public key; {_MAKE_KEYS}"
             )
+
+
+def _check_private(secret: str) -> None:
+    """A secret key only this worker's user owns and can read: anyone else who
+    can read it can pose as this worker to every peer that trusts its key."""
+    st = os.stat(secret)
+    if st.st_uid != os.geteuid():
+        raise config_error(
+            _SECRET_FIELD,
+            f"{secret!r} is owned by uid {st.st_uid}, not this worker's user (uid "
+            f"{os.geteuid()}); chown it to the user the server runs as",
+        )
+    if st.st_mode & 0o077:
+        raise config_error(
+            _SECRET_FIELD,
+            f"{secret!r} is open to other users (mode {st.st_mode & 0o777:o}); "
+            f"chmod 600 it",
+        )
 
 
 def _curve_keys(field: str, path: str) -> dict[str, str]:
