@@ -488,8 +488,9 @@ def test_stores_once_only_for_replicated_groups_of_all_page_pools():
 
 
 def test_broadcast_queue_refuses_exactly_what_plan_transfers_refuses():
-    """Every rank queues a load iff the owner's restorer plans it, with the
-    destination pages ``plan_load`` would compute."""
+    """Every rank queues a load exactly when it has KV keys and a device index for
+    every slot of their pages, with the first page of each key's slots as its
+    destination; the owner's restorer plans (or refuses) the same loads."""
     import torch
     from sglang.srt.mem_cache.hicache_storage import PoolTransfer
 
@@ -502,32 +503,38 @@ def test_broadcast_queue_refuses_exactly_what_plan_transfers_refuses():
 
     _, layout = _mla_layout()
     hashes = hashes_for(3, "queue")
+    one_slot_short = [
+        PoolTransfer(
+            name=t.name,
+            keys=t.keys,
+            device_indices=t.device_indices[:-1],
+            hit_policy=t.hit_policy,
+        )
+        for t in kv_transfer(hashes, [5, 3, 9])
+    ]
+    # name: (transfers, the destination pages queued; None: refused)
     cases = {
-        "good": kv_transfer(hashes, [5, 3, 9]),
-        "no keys": kv_transfer([], [5]),
-        "no kv transfer": [],
-        "no indices": kv_transfer(hashes),
-        "short indices": [
-            PoolTransfer(
-                name=t.name,
-                keys=t.keys,
-                device_indices=t.device_indices[:-1],
-                hit_policy=t.hit_policy,
-            )
-            for t in kv_transfer(hashes, [5, 3, 9])
-        ],
+        "good": (kv_transfer(hashes, [5, 3, 9]), [5, 3, 9]),
+        "more slots than keys": (kv_transfer(hashes[:2], [5, 3, 9]), [5, 3]),
+        "no keys": (kv_transfer([], [5]), None),
+        "no kv transfer": ([], None),
+        "no indices": (kv_transfer(hashes), None),
+        "a page short": (kv_transfer(hashes, [5, 3]), None),
+        "one slot short": (one_slot_short, None),
     }
-    for name, transfers in cases.items():
+    for name, (transfers, want) in cases.items():
         broadcast = ReplicaBroadcast(
             layout, dest_rows_of(layout, PAGE), None, 0, True, PAGE
         )
-        planned = plan_transfers("r", None, transfers, layout, PAGE) is not None
-        assert broadcast.queue("r", transfers) is planned, name
+        assert broadcast.queue("r", transfers) is (want is not None), name
+        planned = plan_transfers("r", None, transfers, layout, PAGE)
+        assert (planned is not None) is (want is not None), name
         batch = broadcast.take()
-        assert (batch is not None) is planned, name
-        if planned:
-            assert batch.rids == ("r",) and batch.count == 3
-            assert torch.equal(batch.pages["kv"], torch.tensor([5, 3, 9]))
+        if want is None:
+            assert batch is None, name
+        else:
+            assert batch.rids == ("r",) and batch.count == len(want), name
+            assert batch.pages["kv"].tolist() == want, name
     broadcast = ReplicaBroadcast(
         layout, dest_rows_of(layout, PAGE), None, 0, True, PAGE
     )

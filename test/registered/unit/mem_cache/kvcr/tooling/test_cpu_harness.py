@@ -249,8 +249,27 @@ def test_torchvision_stand_in_satisfies_imports() -> None:
     assert Version(torchvision.__version__) >= Version("0.20")
     assert T.__name__ == "torchvision.transforms"
     assert sys.modules["torchvision.transforms"] is T
-    assert decode_image is not None
-    assert T.Compose([T.ToTensor()]) is not None  # placeholders are callable
+
+    # Every name, call and item is an inert placeholder naming how it was reached.
+    def stand_in(path: str) -> str:
+        return f"<torchvision stand-in {path}>"
+
+    assert repr(decode_image) == stand_in("torchvision.io.decode_image")
+    composed = T.Compose([T.ToTensor()])
+    assert repr(composed) == stand_in("torchvision.transforms.Compose()")
+    assert repr(composed(object())) == stand_in("torchvision.transforms.Compose()()")
+    assert repr(composed[0]) == stand_in("torchvision.transforms.Compose()[]")
+    mode = T.InterpolationMode.BICUBIC
+    assert repr(mode) == stand_in("torchvision.transforms.InterpolationMode.BICUBIC")
+    # Special names are not answered (copy, pickle and numpy probe for them) ...
+    assert not hasattr(composed, "__array__")
+    assert not hasattr(T, "__wrapped__")
+
+    # ... and a placeholder used as a base class leaves a plain class.
+    class Transform(T.Normalize):  # type: ignore[misc,name-defined]
+        pass
+
+    assert Transform.__mro__ == (Transform, object)
 
 
 def test_free_port_is_bindable() -> None:
