@@ -137,12 +137,20 @@ class HostStaging:
         return True
 
     def _run(self) -> None:
-        self._device.bind_thread()
-        stream = self._device.new_stream()
+        stream, dead = None, None
+        try:
+            self._device.bind_thread()
+            stream = self._device.new_stream()
+        except BaseException as exc:  # no stream: every offload fails, none hangs
+            logger.exception("KVCR stager cannot use its device; offloads fail")
+            dead = exc
         while True:
             job = self._jobs.get()
             if job is None:
                 return
+            if dead is not None:
+                job.fail(dead)
+                continue
             try:
                 if job.copies:
                     self._copy(job, stream)

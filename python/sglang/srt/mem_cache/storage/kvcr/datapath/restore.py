@@ -186,6 +186,7 @@ class Restorer:
         self._batches: dict[int, list[LoadJob]] = {}
         self._paused_until = 0.0
         self._failures = 0  # consecutive failed batches
+        self.dead: BaseException | None = None  # why the loader cannot copy
         self.jobs: queue.SimpleQueue[
             tuple[int, list[LoadJob], tuple[Any, ...]] | None
         ] = queue.SimpleQueue()
@@ -196,7 +197,9 @@ class Restorer:
 
     @property
     def paused(self) -> bool:
-        return time.monotonic() < self._paused_until
+        """Lookups miss: after a failed copy for a while, for good once the
+        loader thread could not use its device."""
+        return self.dead is not None or time.monotonic() < self._paused_until
 
     def queue(self, job: LoadJob, pages: int) -> list[ClaimId]:
         """Queue ``job`` (a load of ``pages`` pages); the claims of a job it
@@ -295,13 +298,21 @@ class Restorer:
     # ---- loader thread (or inline on CPU) ------------------------------------------
 
     def loader_main(self) -> None:
-        self._device.bind_thread()  # this thread started on device 0
-        stream = self._device.new_stream()
+        stream = None
+        try:
+            self._device.bind_thread()  # this thread started on device 0
+            stream = self._device.new_stream()
+        except BaseException as exc:  # no stream: every batch fails, none hangs
+            logger.exception("KVCR loader cannot use its device; restores are off")
+            self.dead = exc
         while True:
             item = self.jobs.get()
             if item is None:
                 return
             index, jobs, fences = item
+            if self.dead is not None:
+                self.counter.fail(index, self.dead)
+                continue
             self.run_copy(index, jobs, fences, stream)
 
     def run_copy(
