@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[3]
-FUZZ_TESTS = REPO / "test" / "registered" / "unit" / "mem_cache" / "test_kvcr_fuzz.py"
+FUZZ_TESTS = REPO / "test/registered/unit/mem_cache/kvcr/fuzz/test_kvcr_fuzz.py"
 
 
 def run_fuzz(examples: int, work: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:

@@ -33,7 +33,7 @@
 #               sglang.srt.mem_cache.storage.kvcr (+ entry point), SGLang's server
 #               modules; a NIXL UCX DRAM loopback WRITE; with --wheelhouse the carry
 #               size (work tree + wheelhouse <= 64 MiB).
-#   gpu-tests   python -m pytest -m gpu test/registered/unit/mem_cache (no CUDA: the
+#   gpu-tests   python -m pytest -m gpu test/registered/unit/mem_cache/kvcr (no CUDA: the
 #               tests are deselected, pytest exits 5, expected only in --dry-run)
 #   microbench  kvcr_microbench.py --device cuda (dry run: --device cpu --quick)
 #   bench       kvcr_bench.py --device cuda, configs none vs kvcr, workloads zero_hit,
@@ -118,7 +118,7 @@ stage_env() {
 stage_gpu_tests() {
   cd "$REPO"
   local rc=0
-  "$PY" -m pytest -m gpu test/registered/unit/mem_cache -p no:cacheprovider -q \
+  "$PY" -m pytest -m gpu test/registered/unit/mem_cache/kvcr -p no:cacheprovider -q \
     --junitxml "$REPORTS/gpu_tests.xml" || rc=$?
   if [ "$rc" -eq 5 ]; then
     if [ "$MODE" = dry-run ]; then

@@ -6,14 +6,15 @@ package docstrings say what each part does). Everything runs on the real kvcr
 device-copy fault.
 
 1. Scenarios (``suite.run_fast_scenarios``; all of them also run in ``make test``
-   through ``test_kvcr_faults.py``): in-process linkers over real CPU pools, and
-   peer linkers in spawned child processes (frozen, killed, restarted, never
-   answering). Each checks that no wrong KV was admitted, that claims were
+   through ``test/registered/unit/mem_cache/kvcr/owner/test_kvcr_faults.py``):
+   in-process linkers over real CPU pools, and peer linkers in spawned child
+   processes (frozen, killed, restarted, never answering). Each checks that no wrong KV was admitted, that claims were
    released (in the linker and in KVCR), that no thread outlived ``close()``,
    and that RSS stayed bounded.
 2. Soak: two CPU SGLang servers with the KVCR linker, ``--soak-requests``
    requests over mixed shared prefixes, some hinted at the other server.
-3. Fuzz: ``test_kvcr_fuzz.py`` under pytest with ``--fuzz-examples`` examples.
+3. Fuzz: ``test/registered/unit/mem_cache/kvcr/fuzz/test_kvcr_fuzz.py`` under pytest
+   with ``--fuzz-examples`` examples.
 4. TP=2: one CPU server with ``--tp 2``; replays restored from KVCR on both ranks
    (tiny Llama), then the tiny DeepSeek-V2 (MLA): only the owner rank stores
    each page, the follower receives the restored rows.

@@ -693,3 +693,10 @@ def teardown_module(module: Any) -> None:
 
 if __name__ == "__main__":  # pragma: no cover - run through pytest
     sys.exit("run with pytest")
+
+
+def test_the_fault_driver_fuzzes_this_module():
+    """``make faults`` runs its fuzz part over this file: the path it names is it."""
+    from kvcr_drivers.faults import fuzz
+
+    assert fuzz.FUZZ_TESTS.resolve() == Path(__file__).resolve()

@@ -9,6 +9,7 @@ tested is the script's own logic. ``gpu_check.sh --dry-run`` runs the real stage
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,25 @@ def stage_lines(out: str) -> list[str]:
 def test_bash_syntax() -> None:
     proc = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_gpu_tests_stage_covers_every_module_with_gpu_tests() -> None:
+    """The gpu-tests stage's ``pytest -m gpu`` folder exists and holds every test
+    module that marks a test ``gpu`` (so a moved test is not silently dropped)."""
+    found = set(re.findall(r"pytest -m gpu (\S+)", SCRIPT.read_text()))
+    assert len(found) == 1, found  # the usage text names the folder the stage runs
+    folder = REPO / found.pop()
+    assert folder.is_dir(), folder
+    marked = {
+        p
+        for p in (REPO / "test" / "registered").rglob("test_*.py")
+        if re.search(r"pytest\.mark\.gpu\b", p.read_text())
+    }
+    assert {p.name for p in marked} >= {
+        "test_kvcr_gpu_data_path.py",
+        "test_kvcr_replicated.py",
+    }
+    assert all(p.is_relative_to(folder) for p in marked), sorted(map(str, marked))
 
 
 def test_help_names_every_stage_and_option() -> None:
