@@ -15,7 +15,9 @@ connections present its key pair and expect the peer's server key
 pair shared by all workers). Outgoing connections leave from the bind host when
 that is one IP address, so a peer sees the address it would itself dial. A
 refused connection never reaches kvcr; it is counted (``inbound_refused``) and
-logged at WARNING once per peer address. A peer speaking no CURVE to a CURVE
+logged at WARNING once per peer address. Outbound, this worker dials only
+endpoints of the same allowlist with its ports (what hints are checked against),
+whoever names them: a peer's reply endpoint elsewhere gets nothing. A peer speaking no CURVE to a CURVE
 worker fails ZMQ's greeting before ZAP runs, so it is refused but not counted.
 """
 
@@ -32,6 +34,7 @@ from typing import Any
 
 from sglang.srt.mem_cache.storage.kvcr.config import linker_config as kvcr_config
 from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRUnavailableError
+from sglang.srt.mem_cache.storage.kvcr.fleet.router_hint import EndpointAllowlist
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +62,11 @@ class InboundGuard:
         source_host: str = "",
         secret_key_file: str = "",
         public_keys_dir: str = "",
+        outbound: EndpointAllowlist | None = None,
     ) -> None:
-        """``entries``: allowlist entries (config syntax, ports ignored)."""
+        """``entries``: allowlist entries (config syntax, ports ignored);
+        ``outbound``: the endpoints this worker may dial (None: any)."""
+        self._outbound = outbound
         self._networks: list[ipaddress._BaseNetwork] = []
         self._names: list[str] = []
         for entry in entries:
@@ -78,6 +84,7 @@ class InboundGuard:
         self._client_keys: frozenset[bytes] = frozenset()
         self._lock = threading.Lock()
         self._refused = 0
+        self._dial_refused = 0
         self._warned: set[str] = set()
 
     @classmethod
@@ -89,6 +96,7 @@ class InboundGuard:
             source_host=cfg.control_bind_host,
             secret_key_file=cfg.control_curve_secret_key_file,
             public_keys_dir=cfg.control_curve_public_keys_dir,
+            outbound=EndpointAllowlist.from_config(cfg),
         )
 
     @property
@@ -151,6 +159,29 @@ class InboundGuard:
             if z85.encode(credentials[0]) not in self._client_keys:
                 return self._refuse(address, "CURVE key not allowed")
         return True
+
+    def may_dial(self, endpoint: str) -> bool:
+        """Whether this worker may connect to ``endpoint``: the allowlist hints
+        are checked against (host and port), so a peer's message cannot make it
+        send its NIXL metadata anywhere else; a refusal is counted and logged."""
+        if self._outbound is None or self._outbound.allows_endpoint(endpoint):
+            return True
+        with self._lock:
+            self._dial_refused += 1
+            first = endpoint not in self._warned and len(self._warned) < _MAX_WARNED
+            if first:
+                self._warned.add(endpoint)
+        level = logging.WARNING if first else logging.DEBUG
+        logger.log(
+            level, "KVCR control: not dialing %s (not on the allowlist)", endpoint
+        )
+        return False
+
+    @property
+    def dial_refused(self) -> int:
+        """Outbound control connections refused so far."""
+        with self._lock:
+            return self._dial_refused
 
     def _refuse(self, address: str, reason: str) -> bool:
         with self._lock:

@@ -106,6 +106,14 @@ class EndpointAllowlist:
         """``config.peer_endpoint_allowlist``, defaulting to its advertised host."""
         return cls(config.peer_endpoint_allowlist, config.advertise_host)
 
+    def allows_endpoint(self, endpoint: str) -> bool:
+        """Whether ``tcp://host:port`` is allowed (False when it is not one)."""
+        try:
+            host, port = _parse_endpoint(endpoint)
+        except _Reject:
+            return False
+        return self.allows(host, port)
+
     def allows(self, host: str, port: int) -> bool:
         """Whether ``host`` (IP, optionally bracketed, or name) and ``port`` match."""
         name = host[1:-1] if host.startswith("[") and host.endswith("]") else host

@@ -268,6 +268,8 @@ def _build_guarded_channel_class() -> type:
             self._ctx, self._auth = ctx, auth
 
         def send(self, endpoint: str, message: bytes) -> bool:
+            if not self._guard.may_dial(endpoint):  # before any socket exists
+                return False
             # Dial with our options first; kvcr's send then finds the socket.
             fresh = self._ctx is not None and endpoint not in self._outgoing
             if fresh and not self._dial(endpoint):
