@@ -1,7 +1,8 @@
-"""Fixtures the linker unit tests share: a small real CPU KV pool and a bare KVCR
-linker over it (``cpu_harness.kvcr_pages``), closed after each test, and
+"""Fixtures the KVCR test folders share (each folder's own are in its conftest.py):
+a small real CPU KV pool and a bare KVCR linker over it (``cpu_harness.kvcr_pages``),
+closed after each test (layout/, fleet/, observability/, linker/), and
 ``plugin_hooks``: SGLang's plugin loader run once per module, with every hook of
-ours checked installed.
+ours checked installed (config/, layout/, sglang_hooks/).
 
 A module changes what it gets by overriding ``pool`` (another pool) or
 ``linker_options`` (``kvcr_pages.make_linker`` keyword arguments: components,

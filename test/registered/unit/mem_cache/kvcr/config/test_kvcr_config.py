@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
-import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -145,25 +144,6 @@ def linker_flags(config_text: str | None, backend: str = "kvcr") -> list[str]:
     if config_text is not None:
         flags += ["--unified-cache-external-linker-config", config_text]
     return ["--enable-unified-cache-external-linker", *flags]
-
-
-@pytest.fixture(scope="module")
-def parse_command_line():
-    """``prepare_server_args``, the parse ``python -m sglang.launch_server`` and
-    ``sglang serve`` run first, with the plugins loaded as they load them."""
-    from sglang.srt.plugins import load_plugins
-    from sglang.srt.server_args import prepare_server_args
-
-    load_plugins()
-    root = logging.getLogger()
-    saved = (root.level, list(root.handlers))  # a successful parse resets logging
-
-    def parse(*flags: str):
-        return prepare_server_args(["--model-path", "dummy", "--device", "cpu", *flags])
-
-    yield parse
-    root.handlers[:] = saved[1]
-    root.setLevel(saved[0])
 
 
 def refused_at_parse(parse, capsys, *flags: str) -> str:

@@ -123,14 +123,7 @@ def split_startup_error(message: str) -> tuple[str, str]:
 # ---- control port ----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def plugin_loaded() -> None:
-    from sglang.srt.plugins import load_plugins
-
-    load_plugins()
-
-
-@pytest.mark.usefixtures("plugin_loaded")
+@pytest.mark.usefixtures("plugin_hooks")
 def test_control_port_in_use_is_refused_naming_control_port_and_the_fix():
     """A linker whose control_port another process listens on fails to start, saying
     which field to change and how."""

@@ -31,7 +31,6 @@ from cpu_harness.server import (
     run_to_exit,
     server_env,
 )
-from cpu_harness.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.server
 
@@ -46,11 +45,6 @@ HELP_TIMEOUT_S = 120
 STARTUP_TIMEOUT_S = 180
 SHUTDOWN_BOUND_S = 30.0
 BAD_CONFIG_BOUND_S = 120.0
-
-
-@pytest.fixture(scope="module")
-def tiny_model() -> Path:
-    return ensure_tiny_model()
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import logging
 import os
 import re
 import sys
@@ -27,7 +26,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -85,18 +83,6 @@ class Counter:
             line["accepted"] = self.accepted
             with open(REPORT, "a") as fh:
                 fh.write(json.dumps(line) + "\n")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def quiet_hint_warnings():
-    """Every fresh parser warns once per reason; at 10,000 examples that is noise."""
-    hint_logger = logging.getLogger(
-        "sglang.srt.mem_cache.storage.kvcr.fleet.router_hint"
-    )
-    level = hint_logger.level
-    hint_logger.setLevel(logging.ERROR)
-    yield
-    hint_logger.setLevel(level)
 
 
 # ---- hostile values --------------------------------------------------------------

@@ -20,6 +20,7 @@ from cpu_harness.kvcr_pages import (
     make_pool,
     offload_and_commit,
     prepare,
+    restore,
 )
 
 
@@ -31,37 +32,31 @@ def _line_values(line: str) -> dict[str, object]:
     return values
 
 
-def test_the_stats_line_prints_every_number_of_the_snapshot():
-    pool = make_pool("cpu")
-    lk = make_linker(pool)
-    try:
-        fill_random(pool, [1, 2], seed=3)
-        hashes = hashes_for(2, "stats")
-        assert offload_and_commit(lk, hashes, [1, 2], "cpu") is True
-        prepare(lk, "r", hashes[:1])
-        assert lk.load("r", kv_transfer(hashes[:1], [5])) is True
-        assert lk.finish_layer_wise_loading(lk.start_layer_wise_loading())
-        snap = lk.stats_snapshot()
-        line = _line_values(lk.stats_line())
-        assert list(line) == list(snap)  # same names, same order
-        for name, value in snap.items():
-            if name == "misses":
-                assert (
-                    line[name]
-                    == "{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}"
-                )
-            elif name == "hints":
-                assert ast.literal_eval(line[name]) == value
-            else:
-                assert float(line[name]) == float(value), name
-        assert snap["offloads"] == 1 and snap["offload_pages"] == 2
-        assert snap["offloaded_bytes"] == 2 * PAGE_BYTES
-        assert snap["restored_bytes"] == PAGE_BYTES
-        assert snap["loads"] == 1 and snap["load_pages"] == 1
-        assert snap["resident_keys"] == 2
-        lk.release_request("r")
-    finally:
-        lk.close()
+def test_the_stats_line_prints_every_number_of_the_snapshot(pool, linker):
+    fill_random(pool, [1, 2], seed=3)
+    hashes = hashes_for(2, "stats")
+    assert offload_and_commit(linker, hashes, [1, 2]) is True
+    prepare(linker, "r", hashes[:1])
+    assert restore(linker, "r", hashes[:1], [5])
+    snap = linker.stats_snapshot()
+    line = _line_values(linker.stats_line())
+    assert list(line) == list(snap)  # same names, same order
+    for name, value in snap.items():
+        if name == "misses":
+            assert (
+                line[name]
+                == "{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}"
+            )
+        elif name == "hints":
+            assert ast.literal_eval(line[name]) == value
+        else:
+            assert float(line[name]) == float(value), name
+    assert snap["offloads"] == 1 and snap["offload_pages"] == 2
+    assert snap["offloaded_bytes"] == 2 * PAGE_BYTES
+    assert snap["restored_bytes"] == PAGE_BYTES
+    assert snap["loads"] == 1 and snap["load_pages"] == 1
+    assert snap["resident_keys"] == 2
+    linker.release_request("r")
 
 
 def test_kvcr_counters_survive_a_flush():

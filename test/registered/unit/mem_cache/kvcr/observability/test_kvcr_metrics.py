@@ -24,11 +24,9 @@ from cpu_harness.kvcr_pages import (
     PAGE_BYTES,
     fill_random,
     hashes_for,
-    kv_transfer,
-    make_linker,
-    make_pool,
     offload_and_commit,
     prepare,
+    restore,
 )
 from cpu_harness.server import REPO, server_env
 from sglang.srt.mem_cache.storage.kvcr.fleet.router_hint import HintStats
@@ -46,56 +44,49 @@ def _value(registry, name, **own):
     return value
 
 
-def test_each_series_moves_by_what_the_snapshot_moved():
-    pool = make_pool("cpu")
-    lk = make_linker(pool)
+def test_each_series_moves_by_what_the_snapshot_moved(pool, linker):
     registry = CollectorRegistry()
-    try:
-        metrics = linker_metrics.LinkerMetrics(
-            LABELS, lk.page_size, lk.stats_snapshot, lk.stats.samples, registry
-        )
-        metrics.tick(0.0)
-        assert _value(registry, "sglang:kvcr_restored_bytes_total") == 0
-        fill_random(pool, [1, 2, 3], seed=5)
-        hashes = hashes_for(3, "metrics")
-        assert offload_and_commit(lk, hashes, [1, 2, 3], "cpu") is True
-        prepare(lk, "r", hashes[:2])
-        assert lk.load("r", kv_transfer(hashes[:2], [7, 8])) is True
-        assert lk.finish_layer_wise_loading(lk.start_layer_wise_loading())
-        metrics.tick(0.5)  # inside the period: nothing published yet
-        assert _value(registry, "sglang:kvcr_restored_bytes_total") == 0
-        metrics.tick(1.0)
-        snap = lk.stats_snapshot()
-        assert _value(registry, "sglang:kvcr_restored_bytes_total") == 2 * PAGE_BYTES
-        assert _value(registry, "sglang:kvcr_offloaded_bytes_total") == 3 * PAGE_BYTES
-        assert _value(registry, "sglang:kvcr_offloaded_pages_total") == 3
-        assert _value(registry, "sglang:kvcr_hit_pages_total") == 2
-        assert _value(registry, "sglang:kvcr_hit_tokens_total") == 2 * PAGE
-        assert _value(registry, "sglang:kvcr_loads_total") == 1
-        assert _value(registry, "sglang:kvcr_lookups_total") == snap["lookups"] >= 1
-        assert _value(registry, "sglang:kvcr_resident_keys") == 3
-        assert _value(registry, "sglang:kvcr_dram_used_bytes") == 3 * PAGE_BYTES
-        assert _value(registry, "sglang:kvcr_dram_bytes") == snap["dram_bytes"] > 0
-        assert _value(registry, "sglang:kvcr_claims_held") == snap["claims_held"]
-        assert _value(registry, "sglang:kvcr_restore_copy_seconds_count") == 1
-        assert _value(registry, "sglang:kvcr_restore_copy_seconds_sum") > 0
-        assert _value(registry, "sglang:kvcr_misses_total", cause="unclaimed") == 0
-        # A second round moves the counters by its own amounts only.
-        prepare(lk, "r2", hashes[2:])
-        assert lk.load("r2", kv_transfer(hashes[2:], [9])) is True
-        assert lk.finish_layer_wise_loading(lk.start_layer_wise_loading())
-        metrics.tick(2.0)
-        metrics.tick(3.0, force=True)  # nothing new: nothing moves
-        assert _value(registry, "sglang:kvcr_restored_bytes_total") == 3 * PAGE_BYTES
-        assert _value(registry, "sglang:kvcr_hit_tokens_total") == 3 * PAGE
-        assert _value(registry, "sglang:kvcr_restore_copy_seconds_count") == 2
-        assert _value(registry, "sglang:kvcr_lookups_total") == float(
-            lk.stats_snapshot()["lookups"]
-        )
-        lk.release_request("r")
-        lk.release_request("r2")
-    finally:
-        lk.close()
+    metrics = linker_metrics.LinkerMetrics(
+        LABELS, linker.page_size, linker.stats_snapshot, linker.stats.samples, registry
+    )
+    metrics.tick(0.0)
+    assert _value(registry, "sglang:kvcr_restored_bytes_total") == 0
+    fill_random(pool, [1, 2, 3], seed=5)
+    hashes = hashes_for(3, "metrics")
+    assert offload_and_commit(linker, hashes, [1, 2, 3]) is True
+    prepare(linker, "r", hashes[:2])
+    assert restore(linker, "r", hashes[:2], [7, 8])
+    metrics.tick(0.5)  # inside the period: nothing published yet
+    assert _value(registry, "sglang:kvcr_restored_bytes_total") == 0
+    metrics.tick(1.0)
+    snap = linker.stats_snapshot()
+    assert _value(registry, "sglang:kvcr_restored_bytes_total") == 2 * PAGE_BYTES
+    assert _value(registry, "sglang:kvcr_offloaded_bytes_total") == 3 * PAGE_BYTES
+    assert _value(registry, "sglang:kvcr_offloaded_pages_total") == 3
+    assert _value(registry, "sglang:kvcr_hit_pages_total") == 2
+    assert _value(registry, "sglang:kvcr_hit_tokens_total") == 2 * PAGE
+    assert _value(registry, "sglang:kvcr_loads_total") == 1
+    assert _value(registry, "sglang:kvcr_lookups_total") == snap["lookups"] >= 1
+    assert _value(registry, "sglang:kvcr_resident_keys") == 3
+    assert _value(registry, "sglang:kvcr_dram_used_bytes") == 3 * PAGE_BYTES
+    assert _value(registry, "sglang:kvcr_dram_bytes") == snap["dram_bytes"] > 0
+    assert _value(registry, "sglang:kvcr_claims_held") == snap["claims_held"]
+    assert _value(registry, "sglang:kvcr_restore_copy_seconds_count") == 1
+    assert _value(registry, "sglang:kvcr_restore_copy_seconds_sum") > 0
+    assert _value(registry, "sglang:kvcr_misses_total", cause="unclaimed") == 0
+    # A second round moves the counters by its own amounts only.
+    prepare(linker, "r2", hashes[2:])
+    assert restore(linker, "r2", hashes[2:], [9])
+    metrics.tick(2.0)
+    metrics.tick(3.0, force=True)  # nothing new: nothing moves
+    assert _value(registry, "sglang:kvcr_restored_bytes_total") == 3 * PAGE_BYTES
+    assert _value(registry, "sglang:kvcr_hit_tokens_total") == 3 * PAGE
+    assert _value(registry, "sglang:kvcr_restore_copy_seconds_count") == 2
+    assert _value(registry, "sglang:kvcr_lookups_total") == float(
+        linker.stats_snapshot()["lookups"]
+    )
+    linker.release_request("r")
+    linker.release_request("r2")
 
 
 def _snapshot(adapter: AdapterStats, hints: HintStats) -> dict:

@@ -35,6 +35,9 @@ import torch
 
 from cpu_harness import kvcr_stack
 
+# Every test runs with the plugin loaded, as a server with it installed does.
+pytestmark = pytest.mark.usefixtures("plugin_hooks")
+
 PAGE = 1
 KV_TOKENS = 256
 HEADS = 2
@@ -48,13 +51,6 @@ STORE_TARGET = (
     "sglang.srt.mem_cache.storage.mooncake_store.mooncake_store.MooncakeStore"
 )
 LINKER_MODULE = "sglang.srt.mem_cache.storage.mooncake_store.mooncake_direct_linker"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def plugins_loaded() -> None:
-    from sglang.srt.plugins import load_plugins
-
-    load_plugins()
 
 
 # ---- a recording stand-in for sglang's MooncakeStore ------------------------------

@@ -36,21 +36,6 @@ def run(*args: str, env: dict[str, str] | None = None, timeout: float = 60):
     )
 
 
-@pytest.fixture
-def fake_python(tmp_path: Path) -> Path:
-    fake = tmp_path / "fake-python"
-    fake.write_text(
-        "#!/bin/sh\n"
-        'echo "fake-python $* --device --quick"\n'
-        # Like an SGLang server: its own session, outliving the stage's process group.
-        'if [ -n "${FAKE_DETACH:-}" ]; then setsid sleep 300 & echo $! >> "$FAKE_DETACH"; fi\n'
-        'sleep "${FAKE_SLEEP:-0}"\n'
-        'exit "${FAKE_RC:-0}"\n'
-    )
-    fake.chmod(0o755)
-    return fake
-
-
 def fake_dry_run(fake_python: Path, report_dir: Path, *args: str, **kw: Any):
     """``--dry-run`` with the fake interpreter, reporting under ``report_dir``."""
     return run(
