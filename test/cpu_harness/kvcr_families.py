@@ -78,7 +78,11 @@ def publish_server_args(page: int, draft: str | None = None, **extra: Any) -> An
     return args
 
 
-def mamba_request_pool(layers: list[int], context: int) -> Any:
+def mamba_request_pool(
+    layers: list[int], context: int, *, head_dim: int = 8, state_size: int = 4
+) -> Any:
+    """A ``HybridReqToTokenPool`` (4 requests, 8 bf16 Mamba2 state slots) for
+    ``layers``, ``context`` tokens a request."""
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
     from sglang.srt.environ import envs
     from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
@@ -89,8 +93,8 @@ def mamba_request_pool(layers: list[int], context: int) -> Any:
             intermediate_size=64,
             n_groups=1,
             num_heads=2,
-            head_dim=8,
-            state_size=4,
+            head_dim=head_dim,
+            state_size=state_size,
             conv_kernel=4,
         )
         params = Mamba2CacheParams(shape=shape, layers=layers)

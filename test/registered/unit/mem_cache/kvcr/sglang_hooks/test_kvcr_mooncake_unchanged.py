@@ -33,7 +33,7 @@ from unittest import mock
 import pytest
 import torch
 
-from cpu_harness import kvcr_stack
+from cpu_harness import kvcr_families, kvcr_stack
 
 # Every test runs with the plugin loaded, as a server with it installed does.
 pytestmark = pytest.mark.usefixtures("plugin_hooks")
@@ -138,36 +138,13 @@ def _server_args() -> Any:
 
 
 def build_hybrid_cache(tree_core_backend: str = "rust") -> SimpleNamespace:
-    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
-    from sglang.srt.environ import envs
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     server_args = _server_args()
-    with envs.SGLANG_MAMBA_SSM_DTYPE.override("bfloat16"):
-        shape = Mamba2StateShape.create(
-            tp_world_size=1,
-            intermediate_size=64,
-            n_groups=1,
-            num_heads=2,
-            head_dim=16,
-            state_size=16,
-            conv_kernel=4,
-        )
-        mamba_params = Mamba2CacheParams(shape=shape, layers=list(MAMBA_SWA_LAYERS))
-    req_to_token = HybridReqToTokenPool(
-        size=4,
-        mamba_size=8,
-        mamba_spec_state_size=4,
-        max_context_len=KV_TOKENS,
-        device="cpu",
-        enable_memory_saver=False,
-        cache_params=mamba_params,
-        mamba_layer_ids=list(MAMBA_SWA_LAYERS),
-        enable_mamba_extra_buffer=False,
-        speculative_num_draft_tokens=3,
+    req_to_token = kvcr_families.mamba_request_pool(
+        list(MAMBA_SWA_LAYERS), KV_TOKENS, head_dim=16, state_size=16
     )
     kvcache = kvcr_stack.swa_kv_pool(
         KV_TOKENS, PAGE, HEADS, DIM, FULL_LAYERS, MAMBA_SWA_LAYERS
