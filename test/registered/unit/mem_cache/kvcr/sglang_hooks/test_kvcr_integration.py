@@ -20,7 +20,6 @@ import re
 import time
 from array import array
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -56,41 +55,22 @@ GEOMETRY = kvcr_stack.Geometry(PAGE, LAYERS, HEADS, DIM, POOL_TOKENS)
 # ---- stack ---------------------------------------------------------------------
 
 
-@dataclass
-class Stack:
-    cache: Any
-    kvcache: Any
-    allocator: Any
-    linker: Any
-
-
-def build_cache(*, tree_core: str = "python", events: bool = False, **cfg: Any):
-    """A real pool, allocator and UnifiedRadixCache; returns (cache, pool, allocator,
-    server args, params, linker config)."""
-    s = kvcr_stack.build_cache(
-        {**KVCR_CONFIG, **cfg}, GEOMETRY, tree_core=tree_core, events=events
-    )
-    return s.cache, s.kvcache, s.allocator, s.server_args, s.params, s.config
-
-
-def create_linker(cache: Any, server_args: Any, params: Any, config: dict) -> Any:
-    return kvcr_stack.create_linker(
-        kvcr_stack.KVCRStack(cache, None, None, server_args, params, config)
-    )
+Stack = kvcr_stack.KVCRStack
 
 
 @pytest.fixture
 def make_stack() -> Iterator[Callable[..., Stack]]:
-    """Builds wired stacks; every linker built is closed at teardown."""
+    """Builds wired stacks (``kvcr_stack.build_stack``: the linker from SGLang's
+    factory, attached); ``kwargs`` are linker config fields over ``KVCR_CONFIG``.
+    Every linker built is closed at teardown."""
     linkers: list[Any] = []
 
-    def make(**kwargs: Any) -> Stack:
-        cache, kvcache, allocator, server_args, params, config = build_cache(**kwargs)
-        linker = create_linker(cache, server_args, params, config)
-        linkers.append(linker)
-        cache.init_cache_linker(linker)
-        kvcache.register_layer_transfer_counter(linker.layer_done_counter)
-        return Stack(cache, kvcache, allocator, linker)
+    def make(*, tree_core: str = "python", events: bool = False, **cfg: Any) -> Stack:
+        stack = kvcr_stack.build_stack(
+            {**KVCR_CONFIG, **cfg}, GEOMETRY, tree_core=tree_core, events=events
+        )
+        linkers.append(stack.linker)
+        return stack
 
     yield make
     for linker in linkers:
@@ -695,29 +675,29 @@ def test_missing_hook_is_reported_by_name(target):
 def test_linker_refuses_to_start_when_a_scheduler_hook_is_missing():
     """init_cache_linker raises, naming the unhooked scheduler method."""
     target = integration.TARGETS[1]
-    cache, _, _, server_args, params, config = build_cache()
-    linker = create_linker(cache, server_args, params, config)
+    stack = kvcr_stack.build_cache(KVCR_CONFIG, GEOMETRY)
+    linker = kvcr_stack.create_linker(stack)
     try:
         with (
             unhooked(target),
             pytest.raises(KVCRUnavailableError, match=re.escape(target)),
         ):
-            cache.init_cache_linker(linker)
+            stack.cache.init_cache_linker(linker)
     finally:
         linker.close()
 
 
 def test_linker_refuses_the_rust_tree_core_naming_the_python_setting():
     """A non-Python tree core is refused with the environment setting to use."""
-    cache, _, _, server_args, params, config = build_cache(tree_core="rust")
-    assert type(cache.tree_core).__name__ != "UnifiedTreeCore"
-    linker = create_linker(cache, server_args, params, config)
+    stack = kvcr_stack.build_cache(KVCR_CONFIG, GEOMETRY, tree_core="rust")
+    assert type(stack.cache.tree_core).__name__ != "UnifiedTreeCore"
+    linker = kvcr_stack.create_linker(stack)
     try:
         with pytest.raises(
             KVCRUnavailableError,
             match="SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python",
         ):
-            cache.init_cache_linker(linker)
+            stack.cache.init_cache_linker(linker)
     finally:
         linker.close()
 
