@@ -6,6 +6,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.sglang-kvcr-stamp
+INTEROP_VENV := .venv-interop
+INTEROP_STAMP := $(INTEROP_VENV)/.dynamo-stamp
 HARNESS := $(CURDIR)/test/cpu_harness
 # Everything that runs SGLang or KVCR here: loopback only, quiet NIXL, scratch caches.
 export UCX_NET_DEVICES := lo
@@ -14,7 +16,7 @@ export SGLANG_KVCR_CACHE_DIR ?= $(CURDIR)/.cache
 export PYTHONPATH := $(HARNESS)/pythonpath$(if $(PYTHONPATH),:$(PYTHONPATH))
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo validate bench faults lint wheel install-check clean-venv
+.PHONY: venv test demo validate bench faults interop interop-venv lint wheel install-check clean-venv
 
 venv: $(STAMP)
 
@@ -41,8 +43,23 @@ demo: $(STAMP)
 validate: $(STAMP)
 	$(PY) test/manual/kvcr_direct_linker/kvcr_validate.py
 
-faults: $(STAMP)
+faults: $(STAMP) $(INTEROP_STAMP)
 	$(PY) test/manual/kvcr_direct_linker/kvcr_faults.py
+
+# NVIDIA Dynamo's selection service (ai-dynamo-runtime 1.6.1) in its own venv:
+# its pydantic pin conflicts with SGLang's. It runs as a child process of the
+# interop driver; nothing of it is imported into .venv.
+interop-venv: $(INTEROP_STAMP)
+
+$(INTEROP_STAMP):
+	test -x $(INTEROP_VENV)/bin/python || $(PY_BOOT) -m venv $(INTEROP_VENV)
+	$(INTEROP_VENV)/bin/pip install -q --disable-pip-version-check ai-dynamo-runtime==1.6.1
+	$(INTEROP_VENV)/bin/python -c "from dynamo.llm import SelectionService"
+	touch $(INTEROP_STAMP)
+
+# Dynamo picks the peer and writes the hint; two CPU linker workers (about 2 min).
+interop: $(STAMP) $(INTEROP_STAMP)
+	$(PY) test/manual/kvcr_direct_linker/kvcr_interop.py
 
 bench: $(STAMP)
 	$(PY) test/manual/kvcr_direct_linker/kvcr_microbench.py

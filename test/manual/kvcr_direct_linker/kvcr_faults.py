@@ -18,6 +18,9 @@ device-copy fault.
 4. TP=2: one CPU server with ``--tp 2``; replays restored from KVCR on both ranks
    (tiny Llama), then the tiny DeepSeek-V2 (MLA): only the owner rank stores
    each page, the follower receives the restored rows.
+5. Interop: NVIDIA Dynamo 1.6.1's selection service in front of two linker
+   workers, its hint restoring from the peer (``kvcr_drivers.interop``; needs
+   ``.venv-interop``, which ``make faults`` builds through ``make interop-venv``).
 
 Writes a JSON report (top-level ``scenarios``, ``soak``, ``fuzz``); the last line
 printed is ``REPORT <path>``. Exits non-zero when anything failed.
@@ -43,8 +46,9 @@ from kvcr_drivers.faults.fuzz import run_fuzz
 from kvcr_drivers.faults.soak import run_soak
 from kvcr_drivers.faults.suite import run_fast_scenarios
 from kvcr_drivers.faults.tp2 import run_tp2, run_tp2_mla
+from kvcr_drivers.interop import dynamo_interop
 
-PARTS = ("scenarios", "soak", "fuzz", "tp2")
+PARTS = ("scenarios", "soak", "fuzz", "tp2", "interop")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -123,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
             ),
             flush=True,
         )
+    interop: dict[str, Any] = {"skipped": "interop" in skip}
+    if "interop" not in skip:
+        interop = phase("interop", lambda: dynamo_interop.run(work / "interop"))
+        print(f"[faults]   interop checks: {json.dumps(interop['checks'])}", flush=True)
     wall = time.monotonic() - started
     fuzz_ok = "fuzz" in skip or (
         bool(fuzz)
@@ -135,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         all(sc.passed for sc in scenarios)
         and ("soak" in skip or soak["passed"])
         and fuzz_ok
+        and ("interop" in skip or interop["passed"])
     )
     body = {
         "passed": ok,
@@ -142,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         "soak": soak,
         "fuzz": fuzz,
         "fuzz_run": fuzz_meta,
+        "interop": interop,
         "timings_s": {**timings, "total": round(wall, 1)},
         "config": dict(vars(args)),
         "env": {
