@@ -101,7 +101,7 @@ SETTINGS = {
     "kv_cache_dtype": {"kv_cache_dtype": "fp8_e5m2"},
     "dtype": {"dtype": "float16"},
     "load_format_dummy": {"load_format": "dummy"},
-    "revision": {"revision": "rev-b"},
+    "context_length": {"context_length": 4096},
     "model_path_hub_id": {"model_path": "org/other-model"},
 }
 

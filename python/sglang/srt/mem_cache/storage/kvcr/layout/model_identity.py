@@ -67,7 +67,11 @@ _SETTINGS = (
     "rl_quant_profile",
     "speculative_draft_model_revision",
     "speculative_draft_load_format",
+    "speculative_draft_model_quantization",
+    "context_length",  # an override may rescale RoPE
 )
+# Server arguments naming a file whose content replaces the model's config.
+_CONFIG_FILE_SETTINGS = ("decrypted_config_file", "decrypted_draft_config_file")
 
 
 def _sha(data: bytes) -> str:
@@ -195,19 +199,32 @@ def weights_fingerprint(model_path: str, revision: str, load_format: str) -> str
             parts.append([item.name, _sha(item.read_bytes())])
         elif item.name.endswith(WEIGHT_SUFFIXES):
             parts.append([item.name, _file_fingerprint(item)])
-    if not parts:  # a directory holding no weights here: only its name is known
-        return f"path:{path.resolve()}@{revision}"
+    if not parts:  # weights one level down (e.g. ``original/``)
+        for sub in sorted(path.iterdir(), key=lambda p: p.name):
+            if sub.is_dir():
+                parts += [
+                    [f"{sub.name}/{item.name}", _file_fingerprint(item)]
+                    for item in sorted(sub.iterdir(), key=lambda p: p.name)
+                    if item.is_file() and item.name.endswith(WEIGHT_SUFFIXES)
+                ]
+    if not parts:  # no weights found: a name says nothing of them, never share
+        return f"unknown:{new_weights_version()}"
     return "dir:" + _sha(json.dumps(parts).encode())
 
 
 def config_fingerprint(model_path: str, revision: str) -> str:
-    """The model config (and quantization config files) under ``model_path``."""
+    """The model config, quantization config files and modeling code
+    (``trust_remote_code``'s ``*.py``) under ``model_path``, or in the local
+    Hugging Face snapshot of a hub id."""
     path = Path(os.path.expanduser(model_path)) if model_path else None
+    if path is not None and not path.exists():
+        path = _hub_snapshot(model_path, revision)  # the files SGLang read
     if path is None or not path.is_dir():
         return f"path:{model_path}@{revision}"
+    code = sorted(p.name for p in path.glob("*.py") if p.is_file())
     parts = [
         [name, _sha((path / name).read_bytes())]
-        for name in (*CONFIG_FILES, *_EXTRA_CONFIG_FILES)
+        for name in (*CONFIG_FILES, *_EXTRA_CONFIG_FILES, *code)
         if (path / name).is_file()
     ]
     return _sha(json.dumps(parts).encode())
@@ -242,6 +259,8 @@ def model_settings(server_args: Any) -> tuple[tuple[str, str], ...]:
     values["quantization_param_path"] = _file_or_text(
         getattr(server_args, "quantization_param_path", None)
     )
+    for name in _CONFIG_FILE_SETTINGS:
+        values[name] = _file_or_text(getattr(server_args, name, None))
     values["load_format"] = _text(getattr(server_args, "load_format", None)) or "auto"
     values["lora_adapters"] = lora_identity(getattr(server_args, "lora_paths", None))
     return tuple(sorted(values.items()))
@@ -300,9 +319,13 @@ def model_identity_fields(server_args: Any) -> dict[str, Any]:
     model_path = _text(getattr(server_args, "model_path", None))
     revision = _text(getattr(server_args, "revision", None))
     load_format = _text(getattr(server_args, "load_format", None)) or "auto"
+    checkpoint = weights_fingerprint(model_path, revision, load_format)
+    config = config_fingerprint(model_path, revision)
+    if checkpoint.startswith(("dir:", "file:")):
+        revision = ""  # the content decides: a tag on the same files changes nothing
     return {
-        "checkpoint": weights_fingerprint(model_path, revision, load_format),
-        "config": config_fingerprint(model_path, revision),
+        "checkpoint": checkpoint,
+        "config": config,
         "revision": revision,
         "draft": draft_identity(server_args),
         "settings": model_settings(server_args),
