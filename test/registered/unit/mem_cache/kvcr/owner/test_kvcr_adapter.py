@@ -241,8 +241,10 @@ def test_factory_failure_is_a_typed_startup_error():
         KVCRAdapter(broken, limits)
 
 
-def test_owner_thread_crash_is_reraised_on_the_next_scheduler_call():
-    """A failure inside the owner loop surfaces as KVCRAdapterFailed, with its cause."""
+def test_owner_thread_crash_fails_the_adapter_without_raising_on_the_scheduler():
+    """A failure inside the owner loop marks the adapter FAILED: the scheduler's
+    drain and submit go on (nothing raised there), while a synchronous call and
+    close raise KVCRAdapterFailed with the cause."""
 
     class Exploding:
         def poll_completed(self):
@@ -255,8 +257,15 @@ def test_owner_thread_crash_is_reraised_on_the_next_scheduler_call():
     deadline = time.monotonic() + 5
     while adapter.owner_thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert adapter.failed
+    assert adapter.drain() == []
+    adapter.submit(Release((1,)))  # dropped: the KVCR it was for is gone
+    assert adapter.drain() == []
+    assert adapter.wait_idle(0.1) is True
+    assert adapter.claims_outstanding() == 0
     with pytest.raises(KVCRAdapterFailed) as info:
-        adapter.drain()
+        adapter.call(lambda kv: None)
     assert "progress thread died" in repr(info.value.__cause__)
-    with pytest.raises(KVCRAdapterFailed):
+    with pytest.raises(KVCRAdapterFailed) as info:
         adapter.close()
+    assert "progress thread died" in repr(info.value.__cause__)

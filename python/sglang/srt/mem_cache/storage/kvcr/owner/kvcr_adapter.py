@@ -7,8 +7,13 @@ when the scheduler is busy. The scheduler thread only enqueues frozen command
 objects and drains typed results; synchronous calls (startup, query, reset, close)
 wait on a future with a deadline. In-flight offload, preparation and abandoned
 bytes are bounded: a command over budget completes at once as ``REFUSED`` and is
-counted, never queued. A failure of the owner thread is stored and re-raised as
-``KVCRAdapterFailed`` on the scheduler's next call. No network waits or
+counted, never queued. A failure of the owner thread (or one kvcr raises from
+``poll_completed``) marks the adapter FAILED and is never raised on the scheduler
+path: every command queued or in flight is answered (deposits and fetches
+FAILED, with their keys), later ones are answered at once, ``drain`` keeps
+returning results; only synchronous calls and ``close`` raise
+``KVCRAdapterFailed``. The linker then restarts KVCR (``restart_wanted`` also
+asks for that: kvcr turned this worker's source writes off). No network waits or
 collectives run on the owner thread; KVCR callbacks (pins, inventory, resilience)
 arrive on it and are answered there.
 """
@@ -22,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
@@ -36,7 +41,6 @@ from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_patches
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     AdapterLimits,
     AdapterStats,
-    Budget,
     Callbacks,
     Deposit,
     DiscardHint,
@@ -47,11 +51,15 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     OpDone,
     OpId,
     Release,
-    budget_of,
-    charge,
     completed_as,
 )
-from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_executor import Call, CommandExecutor
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_executor import (
+    Call,
+    CommandExecutor,
+    CommandGate,
+    OwnerInbox,
+    answer_unrun,
+)
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_factory import (
     BuiltKVCR,
     startup_remedy,
@@ -63,8 +71,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _STOP = object()
 _MAX_COMMANDS_PER_TURN = 64
-
-Command = Deposit | Fetch | Release | DiscardHint | Call
 
 
 class AdapterState(enum.Enum):
@@ -87,7 +93,7 @@ class KVCRAdapter:
         name: str = "kvcr",
     ) -> None:
         self._limits = limits
-        self._commands: queue.SimpleQueue[Command | object] = queue.SimpleQueue()
+        self._inbox = OwnerInbox()
         self._results: queue.SimpleQueue[OpDone | InventoryChange] = queue.SimpleQueue()
         self._op_ids = itertools.count(1)
         self.state = AdapterState.STARTING
@@ -95,14 +101,18 @@ class KVCRAdapter:
         self._failure: BaseException | None = None  # why it FAILED
         self._stats = AdapterStats()
         self._stats_lock = threading.Lock()
-        # Caller-thread state: hints whose fetch was refused, by request id.
-        self._held_hints: dict[str, Mapping[str, Any]] = {}
+        self._gate = CommandGate(
+            self._inbox, self._results, self._stats, self._stats_lock, limits
+        )
         # Owner-thread state.
         self._executor: CommandExecutor | None = None
         self._pins = NoPinFramework()
         self.endpoint = ""  # peer control endpoint, set once KVCR is up
         self._clean_close = True
         self.retained: RetainedCore | None = None  # what an unclean close left
+        # kvcr turned this worker's source writes off until a restart (owner
+        # thread sets it, the linker reads it).
+        self.restart_wanted = False
         started: Future[None] = Future()
         self._thread = threading.Thread(
             target=self._run,
@@ -119,7 +129,7 @@ class KVCRAdapter:
                 if not late:
                     self._fail(KVCRTimeoutError("KVCR startup timed out"))
             if late:  # it came up just now: too late, stop it before raising
-                self._commands.put(_STOP)
+                self._inbox.put(_STOP)
             # Bounded: the caller frees the DRAM this KVCR registered next.
             self._thread.join(limits.wait_timeout_s)
             raise KVCRUnavailableError(
@@ -140,43 +150,23 @@ class KVCRAdapter:
     def next_op_id(self) -> OpId:
         return OpId(next(self._op_ids))
 
-    def submit(self, command: Deposit | Fetch | Release | DiscardHint) -> None:
-        """Enqueue a command; results arrive through ``drain``."""
-        self._raise_if_failed()
-        if isinstance(command, Fetch):
-            command = self._carry_hint(command)
-        if isinstance(command, (Deposit, Fetch)) and not self._charge(
-            budget_of(command), command.nbytes
-        ):
-            if isinstance(command, Fetch) and command.hint is not None:
-                # Not lost with its fetch: the request's next fetch carries it.
-                self._held_hints[command.request_id] = command.hint
-            self._results.put(completed_as(command, EntryStatus.REFUSED))
-            return
-        if isinstance(command, DiscardHint):
-            self._held_hints.pop(command.request_id, None)
-        self._commands.put(command)
+    @property
+    def failed(self) -> bool:
+        """The owner thread stopped on a failure: KVCR is gone."""
+        return self.state is AdapterState.FAILED
 
-    def _carry_hint(self, fetch: Fetch) -> Fetch:
-        """A hint held back from this request's refused fetch rides on this one."""
-        held = self._held_hints.get(fetch.request_id)
-        if held is None or fetch.hint is not None or not fetch.nbytes:
-            return fetch
-        del self._held_hints[fetch.request_id]
-        return dataclasses.replace(fetch, hint=held)
+    def submit(self, command: Deposit | Fetch | Release | DiscardHint) -> None:
+        """Enqueue a command; results arrive through ``drain``. Once FAILED a
+        deposit or fetch completes FAILED at once."""
+        self._raise_if_closed()
+        self._gate.submit(command)
 
     def submit_together(self, commands: Sequence[Deposit]) -> None:
         """Deposits charged to the offload budget as one: all enqueued, or all
-        REFUSED (parts of one offload must not be half admitted)."""
-        self._raise_if_failed()
-        if not commands:
-            return
-        if not self._charge(Budget.OFFLOAD, sum(c.nbytes for c in commands)):
-            for command in commands:
-                self._results.put(completed_as(command, EntryStatus.REFUSED))
-            return
-        for command in commands:
-            self._commands.put(command)
+        REFUSED (parts of one offload must not be half admitted); all FAILED
+        once the adapter failed."""
+        self._raise_if_closed()
+        self._gate.submit_together(commands)
 
     def fail_op(self, command: Deposit | Fetch) -> None:
         """Complete a command that never reached KVCR as FAILED (e.g. a staging
@@ -184,8 +174,9 @@ class KVCRAdapter:
         self._results.put(completed_as(command, EntryStatus.FAILED))
 
     def drain(self) -> list[OpDone | InventoryChange]:
-        """Every result produced since the last drain, in production order."""
-        self._raise_if_failed()
+        """Every result produced since the last drain, in production order
+        (also once FAILED: what the failure answered)."""
+        self._raise_if_closed()
         out: list[OpDone | InventoryChange] = []
         while True:
             try:
@@ -194,10 +185,13 @@ class KVCRAdapter:
                 return out
 
     def call(self, fn: Callable[[Any], T], timeout_s: float | None = None) -> T:
-        """Run ``fn(kvcr)`` on the owner thread and wait for it, with a deadline."""
+        """Run ``fn(kvcr)`` on the owner thread and wait for it, with a deadline;
+        ``KVCRAdapterFailed`` once the owner thread stopped."""
         self._raise_if_failed()
         future: Future[Any] = Future()
-        self._commands.put(Call(fn, future))
+        if not self._inbox.put(Call(fn, future)):
+            self._raise_if_failed()
+            raise KVCRAdapterFailed("KVCR adapter is closed")
         timeout = self._limits.wait_timeout_s if timeout_s is None else timeout_s
         try:
             return future.result(timeout=timeout)
@@ -208,19 +202,32 @@ class KVCRAdapter:
             ) from None
 
     def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until no operation is in flight; False at the deadline."""
+        """Wait until no operation is in flight; False at the deadline, True at
+        once when FAILED (every operation was answered)."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.call(lambda kv: not self._owner().inflight, timeout_s=timeout_s):
-                return True
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                if self.call(lambda kv: not self._owner().inflight, timeout_s=left):
+                    return True
+            except KVCRAdapterFailed:
+                if self.failed:
+                    return True
+                raise
+            except KVCRTimeoutError:
+                return False
             time.sleep(0.002)
         return False
 
     def claims_outstanding(self) -> int:
-        """Residency claims this KVCR holds (0 once closed)."""
+        """Residency claims this KVCR holds (0 once closed or failed)."""
         if self.state is not AdapterState.RUNNING:
             return 0
-        return int(self.call(kvcr_patches.public_claims))
+        try:
+            return int(self.call(kvcr_patches.public_claims))
+        except KVCRAdapterFailed:
+            if self.failed:
+                return 0
+            raise
 
     def stats(self) -> AdapterStats:
         with self._stats_lock:
@@ -234,7 +241,7 @@ class KVCRAdapter:
         """
         timeout = self._limits.wait_timeout_s if timeout_s is None else timeout_s
         if self._thread.is_alive():
-            self._commands.put(_STOP)
+            self._inbox.put(_STOP)
             self._thread.join(timeout)
         if self._thread.is_alive():
             raise KVCRTimeoutError(f"KVCR owner thread still alive after {timeout} s")
@@ -245,6 +252,8 @@ class KVCRAdapter:
     def reclaim(self, timeout_s: float) -> bool:
         """After an unclean close: whether the retained KVCR has since proven
         quiescent and closed, so the DRAM it held is idle (quarantine)."""
+        if self._thread.is_alive():  # a stuck owner thread may still call KVCR
+            return False
         if self.retained is None:
             return self._clean_close
         if not self.retained.reclaim(timeout_s):
@@ -252,19 +261,12 @@ class KVCRAdapter:
         self.retained, self._clean_close = None, True
         return True
 
-    # ---- budget ------------------------------------------------------------------
-
-    def _charge(self, budget: Budget, nbytes: int) -> bool:
-        with self._stats_lock:
-            return charge(self._stats, self._limits, budget, nbytes)
-
-    def _uncharge(self, budget: Budget, nbytes: int) -> None:
-        with self._stats_lock:
-            charge(self._stats, self._limits, budget, -nbytes)
-
-    def _raise_if_failed(self) -> None:
+    def _raise_if_closed(self) -> None:
         if self.state is AdapterState.CLOSED:
             raise KVCRAdapterFailed("KVCR adapter is closed")
+
+    def _raise_if_failed(self) -> None:
+        self._raise_if_closed()
         if self.state is AdapterState.FAILED:
             raise KVCRAdapterFailed(
                 f"KVCR owner thread failed: {self._failure!r}"
@@ -300,7 +302,7 @@ class KVCRAdapter:
             self._results,
             self._stats,
             self._stats_lock,
-            self._uncharge,
+            self._gate.uncharge,
         )
         with self._state_lock:
             in_time = self.state is AdapterState.STARTING
@@ -326,23 +328,11 @@ class KVCRAdapter:
     def _loop(self) -> None:
         owner = self._owner()
         while True:
-            period = owner.poll_period()
-            try:
-                first = self._commands.get(timeout=period)
-            except queue.Empty:
-                first = None
-            batch = [] if first is None else [first]
-            while len(batch) < _MAX_COMMANDS_PER_TURN:
-                try:
-                    batch.append(self._commands.get_nowait())
-                except queue.Empty:
-                    break
-            for command in batch:
-                if command is _STOP:
-                    owner.poll()
-                    return
-                owner.execute(command)
+            batch = self._inbox.take(owner.poll_period(), _MAX_COMMANDS_PER_TURN)
+            running = owner.run_batch(batch, _STOP)
             owner.poll()
+            if not running:
+                return
 
     def _on_inventory(self, event: Any) -> None:
         self._results.put(
@@ -352,24 +342,24 @@ class KVCRAdapter:
     def _on_resilience(self, exc: Exception) -> None:
         with self._stats_lock:
             self._stats.resilience_events += 1
-        logger.warning("KVCR resilience event: %s", exc)
+        if kvcr_patches.needs_restart(exc):
+            self.restart_wanted = True
+            logger.error("KVCR needs a restart: %s", exc)
+        else:
+            logger.warning("KVCR resilience event: %s", exc)
 
     def _shutdown(self) -> None:
         owner, self._executor = self._executor, None
         kv = None if owner is None else owner.kvcr
         if self.state is not AdapterState.FAILED:
             self.state = AdapterState.CLOSED
-        # Answer callers still waiting so nobody blocks past its own deadline.
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if (
-                isinstance(command, Call)
-                and command.future.set_running_or_notify_cancel()
-            ):
-                command.future.set_exception(KVCRAdapterFailed("KVCR adapter closed"))
+        # Nothing is left unanswered: callers waiting get an error by their own
+        # deadline, deposits and fetches (queued, or run by a KVCR that is
+        # going away) complete FAILED with their keys.
+        why = "KVCR owner thread failed" if self.failed else "KVCR adapter closed"
+        answer_unrun(self._inbox.seal(), self._results, self._gate.uncharge, why)
+        if owner is not None:
+            owner.fail_inflight()
         if kv is not None:
             try:
                 kv.close()

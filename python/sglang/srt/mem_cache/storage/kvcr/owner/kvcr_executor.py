@@ -7,20 +7,25 @@ hint, a synchronous call), keeps the table of operations in flight with the budg
 each was charged to, and on every poll hands completed operations back as
 ``OpDone`` values and gives their bytes back to the budget. It also chooses how
 often the owner loop polls: fast while a fetch (someone waits on it), slower while
-only deposits run, idle otherwise. ``KVCRAdapter`` owns the lifecycle and the
-scheduler-side API around it.
+only deposits run, idle otherwise. ``OwnerInbox`` is the queue between the two
+threads: sealed when the owner thread stops, so every command is either run or
+answered (``answer_unrun``: a deposit or fetch FAILED, a call with an error), and
+``CommandExecutor.fail_inflight`` answers what KVCR will never complete.
+``KVCRAdapter`` owns the lifecycle and the scheduler-side API around it.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRAdapterFailed
 from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_patches
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     AdapterStats,
@@ -37,6 +42,9 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     OpId,
     OpKind,
     Release,
+    budget_of,
+    charge,
+    completed_as,
 )
 
 logger = logging.getLogger(__name__)
@@ -58,10 +66,169 @@ class Call:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Inflight:
+    """An operation KVCR runs, and the command it came from (to answer it FAILED
+    if KVCR never completes it)."""
+
     kind: OpKind
     op_id: OpId
     budget: Budget
     nbytes: int
+    command: Deposit | Fetch
+
+
+class OwnerInbox:
+    """Commands from the scheduler thread to the owner thread. Once ``seal`` ran
+    nothing more is taken (``put`` answers False): everything put before it is
+    either run by the owner thread or returned by ``seal`` to be answered."""
+
+    __slots__ = ("_lock", "_queue", "sealed", "taken")
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self.sealed = False
+        # The owner thread's current batch: taken off the queue, not yet run.
+        self.taken: collections.deque[object] = collections.deque()
+
+    def put(self, *commands: object) -> bool:
+        """Queue ``commands`` in order; False (none queued) once sealed."""
+        with self._lock:
+            if self.sealed:
+                return False
+            for command in commands:
+                self._queue.put(command)
+            return True
+
+    def take(self, wait_s: float, limit: int) -> collections.deque[object]:
+        """Owner thread: up to ``limit`` commands (waiting up to ``wait_s`` for
+        the first) into ``taken``; the caller pops each once it has run."""
+        try:
+            self.taken.append(self._queue.get(timeout=wait_s))
+        except queue.Empty:
+            return self.taken
+        while len(self.taken) < limit:
+            try:
+                self.taken.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return self.taken
+
+    def seal(self) -> list[object]:
+        """Take no more; every command taken but not run, and every one queued."""
+        with self._lock:
+            self.sealed = True
+        left = list(self.taken)
+        self.taken.clear()
+        while True:
+            try:
+                left.append(self._queue.get_nowait())
+            except queue.Empty:
+                return left
+
+
+class CommandGate:
+    """The scheduler thread's way into the inbox: charges deposits and fetches
+    to their budget (over it: REFUSED at once, counted), keeps the hint of a
+    refused fetch for the request's next one, and once the inbox is sealed (the
+    owner thread stopped) answers every command itself."""
+
+    __slots__ = ("_held_hints", "_inbox", "_limits", "_lock", "_results", "_stats")
+
+    def __init__(
+        self,
+        inbox: OwnerInbox,
+        results: queue.SimpleQueue[OpDone | InventoryChange],
+        stats: AdapterStats,
+        stats_lock: threading.Lock,
+        limits: Any,
+    ) -> None:
+        self._inbox = inbox
+        self._results = results
+        self._stats = stats
+        self._lock = stats_lock
+        self._limits = limits
+        # Hints whose fetch was refused, by request id.
+        self._held_hints: dict[str, Mapping[str, Any]] = {}
+
+    def submit(self, command: Deposit | Fetch | Release | DiscardHint) -> None:
+        if self._inbox.sealed:
+            self._answer((command,), charged=False)
+            return
+        if isinstance(command, Fetch):
+            command = self._carry_hint(command)
+        if isinstance(command, (Deposit, Fetch)) and not self._charge(
+            budget_of(command), command.nbytes
+        ):
+            if isinstance(command, Fetch) and command.hint is not None:
+                # Not lost with its fetch: the request's next fetch carries it.
+                self._held_hints[command.request_id] = command.hint
+            self._results.put(completed_as(command, EntryStatus.REFUSED))
+            return
+        if isinstance(command, DiscardHint):
+            self._held_hints.pop(command.request_id, None)
+        if not self._inbox.put(command):  # the owner thread stopped meanwhile
+            self._answer((command,), charged=True)
+
+    def _carry_hint(self, fetch: Fetch) -> Fetch:
+        """A hint held back from this request's refused fetch rides on this one."""
+        held = self._held_hints.get(fetch.request_id)
+        if held is None or fetch.hint is not None or not fetch.nbytes:
+            return fetch
+        del self._held_hints[fetch.request_id]
+        return dataclasses.replace(fetch, hint=held)
+
+    def submit_together(self, commands: Sequence[Deposit]) -> None:
+        if not commands:
+            return
+        if self._inbox.sealed:
+            self._answer(commands, charged=False)
+            return
+        if not self._charge(Budget.OFFLOAD, sum(c.nbytes for c in commands)):
+            for command in commands:
+                self._results.put(completed_as(command, EntryStatus.REFUSED))
+            return
+        if not self._inbox.put(*commands):
+            self._answer(commands, charged=True)
+
+    def _answer(self, commands: Sequence[object], charged: bool) -> None:
+        """Answer commands the stopped owner thread will never run (``charged``:
+        their bytes were charged to a budget before it stopped)."""
+        answer_unrun(
+            commands,
+            self._results,
+            self.uncharge if charged else _no_charge,
+            "KVCR owner thread failed",
+        )
+
+    def _charge(self, budget: Budget, nbytes: int) -> bool:
+        with self._lock:
+            return charge(self._stats, self._limits, budget, nbytes)
+
+    def uncharge(self, budget: Budget, nbytes: int) -> None:
+        with self._lock:
+            charge(self._stats, self._limits, budget, -nbytes)
+
+
+def _no_charge(budget: Budget, nbytes: int) -> None:
+    """Nothing to give back: the command was answered before it was charged."""
+
+
+def answer_unrun(
+    commands: Iterable[object],
+    results: queue.SimpleQueue[OpDone | InventoryChange],
+    uncharge: Callable[[Budget, int], None],
+    why: str,
+) -> None:
+    """Answer commands the owner thread will never run: a deposit or fetch
+    completes FAILED (its budget charge given back), a call raises ``why``; a
+    release or a hint discard is dropped (the KVCR they were for is gone)."""
+    for command in commands:
+        if isinstance(command, (Deposit, Fetch)):
+            uncharge(budget_of(command), command.nbytes)
+            results.put(completed_as(command, EntryStatus.FAILED))
+        elif isinstance(command, Call):
+            if command.future.set_running_or_notify_cancel():
+                command.future.set_exception(KVCRAdapterFailed(why))
 
 
 class CommandExecutor:
@@ -105,15 +272,25 @@ class CommandExecutor:
             return FETCH_POLL_S
         return DEPOSIT_POLL_S
 
-    def execute(self, command: object) -> None:
-        self._execute(command)
-        kvcr_patches.wake()  # KVCR may have new work: its progress loop polls now
+    def run_batch(self, batch: collections.deque[object], stop: object) -> bool:
+        """Run ``batch`` in order, popping each command once it has run (one that
+        raised stays in it, with those after it, to be answered); False at
+        ``stop``."""
+        while batch:
+            command = batch[0]
+            if command is stop:
+                batch.popleft()
+                return False
+            self._execute(command)
+            batch.popleft()
+            kvcr_patches.wake()  # KVCR may have new work: its progress loop polls now
+        return True
 
     def _execute(self, command: object) -> None:
         kv = self._kvcr
         if isinstance(command, Deposit):
             handle = kv.deposit(dict(command.blocks))
-            self._track(handle, OpKind.DEPOSIT, command.op_id, command.nbytes)
+            self._track(handle, command)
             self._count("deposits", 1)
         elif isinstance(command, Fetch):
             if command.hint is not None:
@@ -128,7 +305,7 @@ class CommandExecutor:
                 request_id=command.request_id,
                 expected_layout=list(command.expected_layout),
             )
-            self._track(handle, OpKind.FETCH, command.op_id, command.nbytes)
+            self._track(handle, command)
             self._count("fetches", 1)
         elif isinstance(command, Release):
             results = kv.release(list(command.claims))
@@ -142,9 +319,20 @@ class CommandExecutor:
                 except BaseException as exc:
                     command.future.set_exception(exc)
 
-    def _track(self, handle: int, kind: OpKind, op_id: OpId, nbytes: int) -> None:
-        budget = Budget.OFFLOAD if kind is OpKind.DEPOSIT else Budget.PREPARE
-        self.inflight[handle] = Inflight(kind, op_id, budget, nbytes)
+    def _track(self, handle: int, command: Deposit | Fetch) -> None:
+        kind = OpKind.DEPOSIT if isinstance(command, Deposit) else OpKind.FETCH
+        budget = budget_of(command)
+        self.inflight[handle] = Inflight(
+            kind, command.op_id, budget, command.nbytes, command
+        )
+
+    def fail_inflight(self) -> None:
+        """KVCR is gone: every operation it still ran completes FAILED, with its
+        keys, and gives its budget back."""
+        ops, self.inflight = self.inflight, {}
+        answer_unrun(
+            (op.command for op in ops.values()), self._results, self._uncharge, ""
+        )
 
     def _count(self, field: str, n: int) -> None:
         with self._stats_lock:
@@ -159,18 +347,16 @@ class CommandExecutor:
             # out an idle period there.
             kvcr_patches.wake()
         for handle, entries in completed:
-            op = self.inflight.pop(handle, None)
+            op = self.inflight.get(handle)
             if op is None:
                 logger.warning("KVCR completed an unknown operation %s", handle)
                 continue
+            # Built before it leaves ``inflight``: if this raises, the op is
+            # still there to be answered FAILED.
+            done = {bytes(key): _entry(result) for key, result in entries.items()}
+            del self.inflight[handle]
             self._uncharge(op.budget, op.nbytes)
-            self._results.put(
-                OpDone(
-                    op.op_id,
-                    op.kind,
-                    {bytes(key): _entry(result) for key, result in entries.items()},
-                )
-            )
+            self._results.put(OpDone(op.op_id, op.kind, done))
 
 
 def _entry(result: Any) -> EntryResult:

@@ -25,6 +25,10 @@ for SGLang's).
 - Whether a KVCR whose close failed has since become quiescent
   (``core_is_quiescent``: kvcr exposes it on its core only), and how many
   residency claims a KVCR holds (``public_claims``, for shutdown checks).
+- Whether a resilience event means this KVCR must be restarted
+  (``needs_restart``): after a source-progress gap kvcr turns the worker's source
+  writes off "until restart" and says so only in the error's text
+  (``kvcr/dangling_ops.py``, ``check_source_progress``).
 """
 
 from __future__ import annotations
@@ -164,6 +168,16 @@ def _wrap_nixl_agent_config() -> None:
 def core_is_quiescent(kv: Any) -> bool:
     """Whether native progress can no longer touch ``kv``'s backend resources."""
     return bool(kv._core.is_quiescent())
+
+
+# kvcr 0.1.1's words when a stalled source turns new source writes off for good.
+_SOURCE_WRITES_OFF = "new source writes disabled until restart"
+
+
+def needs_restart(exc: BaseException) -> bool:
+    """Whether kvcr reported, through its resilience callback, a state only a new
+    KVCR leaves (this worker's source writes are off until restart)."""
+    return _SOURCE_WRITES_OFF in str(exc)
 
 
 def public_claims(kv: Any) -> int:
