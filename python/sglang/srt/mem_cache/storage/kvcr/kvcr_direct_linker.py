@@ -11,7 +11,9 @@ submits the commands the collaborators return and drains typed results in
 ``_pump``. A request's tail is *prepared*: pages resident here or named by a
 ``kv.fetch`` hint are fetched into local KVCR DRAM, and each page that lands holds
 a claim. ``lookup`` reports only pages whose claims are held, so a hint alone is
-never a hit and a failed transfer is a miss, never wrong KV.
+never a hit and a failed transfer is a miss, never wrong KV. The lifecycle
+(flush, close, and recovery when KVCR fails: lookups miss and offloads fail
+until a restart brings a new KVCR) is ``linker_lifecycle.LinkerLifecycle``.
 """
 
 from __future__ import annotations
@@ -31,20 +33,21 @@ from sglang.srt.mem_cache.storage.kvcr.fleet.router_hint import (
     RouterHintParser,
     request_hint,
 )
+from sglang.srt.mem_cache.storage.kvcr.linker_lifecycle import LinkerLifecycle
 from sglang.srt.mem_cache.storage.kvcr.observability import linker_metrics
 from sglang.srt.mem_cache.storage.kvcr.observability.linker_stats import (
     Gauges,
+    KVCRGauges,
     LinkerStats,
     StatsReport,
     snapshot,
 )
-from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_adapter import KVCRAdapter
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
-    ClaimId,
     InventoryChange,
     OpKind,
 )
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_session import KVCRSession
+from sglang.srt.mem_cache.storage.kvcr.owner.recovery import Recovery
 from sglang.srt.mem_cache.storage.kvcr.rank_setup import LinkerSetup
 from sglang.srt.mem_cache.storage.kvcr.requests.fetch_plan import kv_keys, window_pages
 from sglang.srt.mem_cache.storage.kvcr.requests.preparation import Preparations
@@ -69,7 +72,9 @@ NOT_BUILT_BY_PLUGIN = (
 logger = logging.getLogger(__name__)
 
 
-class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker):
+class KVCRDirectLinker(
+    LinkerLifecycle, VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker
+):
     """Direct external linker over a real KVCR (see the module docstring)."""
 
     prepares_requests = True
@@ -109,6 +114,7 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
             )
             self.hints = RouterHintParser.from_config(cfg, self.placement.shard_rank)
             self.preparations = Preparations(self.stats)
+            self.recovery = Recovery()
             self.residency = Residency(self.layout)
             self.offloader = Offloader(
                 layout=self.layout,
@@ -141,33 +147,12 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
             res.release(cfg.owner_wait_timeout_s, adapter)
             raise
 
-    # ---- lifecycle ---------------------------------------------------------------
-
-    @property
-    def _adapter(self) -> KVCRAdapter:
-        return self.session.adapter
+    # ---- lifecycle (flush, close, recovery: linker_lifecycle) -------------------
 
     @property
     def endpoint(self) -> str:
         """This rank's KVCR peer control endpoint (what a router's hint names)."""
         return self.session.endpoint
-
-    def reset(self) -> None:
-        """Flush: drop every claim and preparation and rebuild an empty KVCR."""
-        timeout = self.config.owner_wait_timeout_s
-        loads_quiet, claims = self.restorer.quiesce(timeout)
-        staging_quiet = self.offloader.quiesce(timeout)
-        self._release_all(claims)
-        identity = self.weights.take_pending()
-        if identity is not None:
-            # New weights: a new digest, so no peer (or old page) of the old
-            # weights ever matches a key of the new ones.
-            self.layout = self.layout.with_identity(identity)
-        self.offloader.reset(staging_quiet, self.layout)
-        self.preparations.reset()
-        self.replicas.reset()
-        self.residency.reset(self.layout)
-        self.session.flush(self.layout, loads_quiet, identity is not None, timeout)
 
     def weights_changing(
         self, source: str, model_path: str | None = None, load_format: str | None = None
@@ -185,38 +170,13 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
         """Whether new weights are served but KVCR is not re-keyed for them yet."""
         return self.weights.pending
 
-    def close(self) -> None:
-        timeout = self.config.owner_wait_timeout_s
-        stopped, claims = self.restorer.quiesce(timeout)
-        stopped = self.restorer.close(timeout) and stopped
-        stopped = self.offloader.close(timeout) and stopped
-        self._release_all(claims)
-        self.report.tick(force=True)
-        quiet = self._adapter.close() and stopped
-        if quiet:
-            self.restorer.close_span()
-        self.dram.close(quiet, self.offloader.staging_buffers())
-
-    def is_quiescent(self) -> bool:
-        """Nothing in flight: no claims held, no restore batch, no offload."""
-        return (
-            self.claims_outstanding() == 0
-            and self.restorer.is_quiescent()
-            and len(self.offloader.queue) == 0
-        )
-
-    def claims_outstanding(self) -> int:
-        """Residency claims KVCR holds for this linker (what it must release)."""
-        return self._adapter.claims_outstanding()
-
-    def _release_all(self, claims: list[ClaimId] | None = None) -> None:
-        self.session.release([*(claims or ()), *self.preparations.release_all()])
-        self._adapter.wait_idle(self.config.owner_wait_timeout_s)
-        self._pump()
-
     # ---- result routing --------------------------------------------------------
 
     def _pump(self) -> None:
+        self._route()
+        self._watch_kvcr()  # KVCR failed: go down; down: restart when due
+
+    def _route(self) -> None:
         if self.offloader.queue.has_deferred:
             self.offloader.submit_ready(self._adapter, self.session.agent)
         for item in self._adapter.drain():
@@ -254,10 +214,10 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
             self.residency,
             self.layout,
             self.config,
-            self.weights.pending or self.dram.disabled,
+            self.weights.pending or self.dram.disabled or self.recovery.down,
             self._adapter.next_op_id,
         )
-        if commands:
+        if commands and not self.recovery.down:  # down: nothing reaches KVCR
             self.session.submit(commands)
             self._pump()
         return ctx.handle
@@ -294,6 +254,9 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
             return []
         if self.weights.pending:  # KV of other weights
             self.stats.refused_weights_changed += 1
+            return []
+        if self.recovery.down:  # every rank's MIN then misses alike
+            self.stats.miss_kvcr_down += 1
             return []
         if self.restorer.paused or self.dram.disabled:
             self.stats.miss_restore_disabled += 1
@@ -339,8 +302,8 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
         self, transfers: list[PoolTransfer], session_id: str | None = None
     ) -> bool:
         # Pages of new weights would be keyed as old ones; a disabled linker
-        # has no DRAM to store into.
-        refuse = self.weights.pending or self.dram.disabled
+        # has no DRAM to store into, a down one no KVCR.
+        refuse = self.weights.pending or self.dram.disabled or self.recovery.down
         self.offloader.offload(
             transfers, self._adapter, self.session.agent, self._ready_events, refuse
         )
@@ -362,6 +325,9 @@ class KVCRDirectLinker(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker)
             residency=self.residency.gauges(),
             preparations=self.preparations.gauges(),
             inbound_refused=self.session.inbound_refused(),
+            kvcr=KVCRGauges(
+                self.recovery.failures, self.recovery.restarts, self.recovery.down
+            ),
         )
         own = snapshot(
             self.stats, gauges, self.session.stats(), self.hints.stats.as_dict()

@@ -154,6 +154,15 @@ class OffloadQueue:
         record.outcome = OffloadOutcome.STORED if record.ok else OffloadOutcome.FAILED
         return record, slots
 
+    @property
+    def has_pending(self) -> bool:
+        """A deposit is still pending (submitted, staged or waiting for its
+        fences), or a result the wrapper has not taken yet says STORED (its
+        stored mark is not set yet)."""
+        return bool(self._pending or self._deferred) or any(
+            r.outcome is not OffloadOutcome.FAILED for r in self._fifo
+        )
+
     def completed(self) -> int:
         """How many results at the head of the FIFO are settled."""
         n = 0

@@ -280,6 +280,12 @@ class Restorer:
     def is_quiescent(self) -> bool:
         return not self._batches
 
+    @property
+    def has_work(self) -> bool:
+        """A job is queued or a batch started: something may still read the
+        current DRAM's slots."""
+        return bool(self._queued or self._batches)
+
     def close(self, timeout_s: float) -> bool:
         """Stop the loader thread (bounded); False if it is still running."""
         self.jobs.put(None)

@@ -145,6 +145,7 @@ FAMILIES: tuple[Family, ...] = (
             "unclaimed": ("misses", "unclaimed"),
             "restore_disabled": ("misses", "restore_disabled"),
             "unprepared": ("misses", "unprepared"),
+            "kvcr_down": ("misses", "kvcr_down"),
             "weights_changed": ("weights_changed_misses",),
         },
     ),
@@ -205,6 +206,18 @@ FAMILIES: tuple[Family, ...] = (
         "Control connections this worker refused.",
         "inbound_refused",
     ),
+    _one(
+        _C,
+        "failures_total",
+        "Times this rank's KVCR failed (the linker went down).",
+        "kvcr_failures",
+    ),
+    _one(
+        _C,
+        "restarts_total",
+        "Restarts that brought this rank's KVCR back.",
+        "kvcr_restarts",
+    ),
     _one(_G, "resident_keys", "KVCR objects resident here.", "resident_keys"),
     _one(_G, "claims_held", "Residency claims this rank holds.", "claims_held"),
     _one(
@@ -236,6 +249,12 @@ FAMILIES: tuple[Family, ...] = (
             "offload": ("inflight_offload_bytes",),
             "prepare": ("inflight_prepare_bytes",),
         },
+    ),
+    _one(
+        _G,
+        "down",
+        "1 while this rank's KVCR is down (every request recomputed).",
+        "kvcr_down",
     ),
     _one(
         _G,

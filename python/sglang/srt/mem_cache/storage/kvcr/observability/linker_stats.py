@@ -79,6 +79,7 @@ class LinkerStats:
     miss_unclaimed: int = 0
     miss_restore_disabled: int = 0
     miss_unprepared: int = 0
+    miss_kvcr_down: int = 0  # lookups while KVCR was down (recovery)
     restore_copy_failures: int = 0
     hints_self: int = 0  # hints naming this worker: served from local residency
     hints_quarantine_off: int = 0  # hints ignored: peer fetches off (quarantine)
@@ -128,6 +129,15 @@ class PreparationGauges:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class KVCRGauges:
+    """Whether this rank's KVCR is up, as ``owner.recovery.Recovery`` says."""
+
+    failures: int = 0  # times it went down
+    restarts: int = 0  # restarts that brought it back
+    down: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Gauges:
     """Values read off the collaborators' live state for one snapshot, each part
     from the collaborator that owns it."""
@@ -136,6 +146,7 @@ class Gauges:
     residency: ResidencyGauges
     preparations: PreparationGauges
     inbound_refused: int  # control connections the inbound guard refused
+    kvcr: KVCRGauges = KVCRGauges()
 
 
 def snapshot(
@@ -159,6 +170,7 @@ def snapshot(
             "unclaimed": s.miss_unclaimed,
             "restore_disabled": s.miss_restore_disabled,
             "unprepared": s.miss_unprepared,
+            "kvcr_down": s.miss_kvcr_down,
         },
         "restore_copy_failures": s.restore_copy_failures,
         "hints_self": s.hints_self,
@@ -193,6 +205,9 @@ def snapshot(
         "inflight_offload_bytes": adapter.inflight_offload_bytes,
         "inflight_prepare_bytes": adapter.inflight_prepare_bytes,
         "inbound_refused": gauges.inbound_refused,
+        "kvcr_failures": gauges.kvcr.failures,
+        "kvcr_restarts": gauges.kvcr.restarts,
+        "kvcr_down": int(gauges.kvcr.down),
         "hints": dict(hints),
     }
 

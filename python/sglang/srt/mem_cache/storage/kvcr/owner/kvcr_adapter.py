@@ -155,17 +155,19 @@ class KVCRAdapter:
         """The owner thread stopped on a failure: KVCR is gone."""
         return self.state is AdapterState.FAILED
 
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failure
+
     def submit(self, command: Deposit | Fetch | Release | DiscardHint) -> None:
         """Enqueue a command; results arrive through ``drain``. Once FAILED a
-        deposit or fetch completes FAILED at once."""
-        self._raise_if_closed()
+        deposit or fetch completes FAILED at once (so it does once closed)."""
         self._gate.submit(command)
 
     def submit_together(self, commands: Sequence[Deposit]) -> None:
         """Deposits charged to the offload budget as one: all enqueued, or all
         REFUSED (parts of one offload must not be half admitted); all FAILED
-        once the adapter failed."""
-        self._raise_if_closed()
+        once the adapter failed or closed."""
         self._gate.submit_together(commands)
 
     def fail_op(self, command: Deposit | Fetch) -> None:
@@ -175,8 +177,7 @@ class KVCRAdapter:
 
     def drain(self) -> list[OpDone | InventoryChange]:
         """Every result produced since the last drain, in production order
-        (also once FAILED: what the failure answered)."""
-        self._raise_if_closed()
+        (also once FAILED or closed: what the shutdown answered)."""
         out: list[OpDone | InventoryChange] = []
         while True:
             try:
@@ -261,12 +262,9 @@ class KVCRAdapter:
         self.retained, self._clean_close = None, True
         return True
 
-    def _raise_if_closed(self) -> None:
+    def _raise_if_failed(self) -> None:
         if self.state is AdapterState.CLOSED:
             raise KVCRAdapterFailed("KVCR adapter is closed")
-
-    def _raise_if_failed(self) -> None:
-        self._raise_if_closed()
         if self.state is AdapterState.FAILED:
             raise KVCRAdapterFailed(
                 f"KVCR owner thread failed: {self._failure!r}"

@@ -7,7 +7,9 @@ adapter for the new digest. ``KVCRSession`` owns what that takes: the factory
 arguments, the adapter limits, the agent name, the endpoints a router may use to
 name this rank, and the hand-over of DRAM from one incarnation to the next
 (``quarantine.KVCRDram``). The linker submits and releases through it and never builds a
-factory itself.
+factory itself. A KVCR that failed (``failed``) is replaced by ``restart``; an old
+one whose close raises or times out, at a flush or a restart, is closed uncleanly
+(its DRAM quarantined), never an error for the caller.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class KVCRSession:
         "_label",
         "_limits",
         "_retired",
+        "_stale",
         "adapter",
         "agent",
         "own_endpoints",
@@ -90,6 +93,9 @@ class KVCRSession:
         self.agent = ""
         self.own_endpoints: frozenset[str] = frozenset()
         self._retired = AdapterStats()  # counts of the incarnations flushed
+        # The adapter was closed and its DRAM handed on, but no next one started
+        # (a restart's start failed): the next attempt only starts one.
+        self._stale = False
         self.adapter = self._start()
 
     @classmethod
@@ -128,23 +134,56 @@ class KVCRSession:
         self.own_endpoints = own_endpoints(adapter.endpoint, self._hosts)
         return adapter
 
+    @property
+    def failed(self) -> bool:
+        """KVCR is gone (its owner thread failed, or a restart did not start the
+        next one) or asked to be restarted: only ``restart`` helps."""
+        adapter = self.adapter
+        return self._stale or adapter.failed or adapter.restart_wanted
+
+    def restart(self, layout: PageLayout, timeout_s: float) -> None:
+        """Replace a failed KVCR: close it (an exception or a timeout is an
+        unclean close: its DRAM stays quarantined) and start the next one, as a
+        flush does; the caller made sure no restore reads the old DRAM. Raises
+        when the next one does not start (then the next call only starts)."""
+        if not self._stale:
+            self._retire(layout, loads_quiet=True, timeout_s=timeout_s)
+        self.adapter = self._start()
+        self._stale = False
+
+    def _retire(self, layout: PageLayout, loads_quiet: bool, timeout_s: float) -> None:
+        """Close the running adapter and hand its DRAM (or a fresh share, when it
+        is not provably idle) to the next one."""
+        old = self.adapter
+        self._retired = self._summed(old.stats())
+        self._stale = True
+        try:
+            closed_clean = old.close()
+        except Exception as exc:  # KVCRAdapterFailed, KVCRTimeoutError
+            # Failed or stuck: nothing proves its DRAM idle.
+            logger.error("KVCR close was not clean (%s); its DRAM is quarantined", exc)
+            closed_clean = False
+        # A copy still running past the deadline may read the old DRAM however
+        # cleanly KVCR closed: that share is never reclaimed.
+        clean = closed_clean and loads_quiet
+        if self._dram.flush(old, clean, timeout_s, reclaimable=loads_quiet):
+            regions = layout.local_dram_regions(list(self._dram.storage.values()))
+            self._factory_args["local_dram_pools"] = regions
+
     def flush(
         self, layout: PageLayout, loads_quiet: bool, rekey: bool, timeout_s: float
     ) -> None:
         """Close this incarnation and start the next one over DRAM the quarantine
         says is idle (``loads_quiet``: no restore copy can still read it), keyed
-        for ``layout`` when ``rekey`` (new weights gave it a new digest)."""
-        old = self.adapter
-        self._retired = self._summed(old.stats())
-        # A copy still running past the deadline may read the old DRAM however
-        # cleanly KVCR closed: that share is never reclaimed.
-        clean = old.close() and loads_quiet
-        if self._dram.flush(old, clean, timeout_s, reclaimable=loads_quiet):
-            regions = layout.local_dram_regions(list(self._dram.storage.values()))
-            self._factory_args["local_dram_pools"] = regions
+        for ``layout`` when ``rekey`` (new weights gave it a new digest). The old
+        one's close never makes this raise; a next one that does not start does
+        (``failed`` then holds and ``restart`` tries again)."""
+        if not self._stale:
+            self._retire(layout, loads_quiet, timeout_s)
         if rekey:
             self._factory_args["key_adapter"] = KeyAdapter(layout)
         self.adapter = self._start()
+        self._stale = False
         logger.info(
             "KVCR linker reset: residency cleared, endpoint=%s digest=%s",
             self.endpoint,
@@ -154,6 +193,8 @@ class KVCRSession:
     def stats(self) -> AdapterStats:
         """The running adapter's stats with every counter summed over this rank's
         incarnations (a flush does not take back what was counted)."""
+        if self._stale:  # already summed into the retired counts
+            return dataclasses.replace(self._retired)
         return self._summed(self.adapter.stats())
 
     def _summed(self, now: AdapterStats) -> AdapterStats:

@@ -79,6 +79,14 @@ class Residency:
         removed, self._removed = self._removed, []
         return removed
 
+    def drop_all(self) -> None:
+        """KVCR lost everything (a restart): every resident page is reported
+        removed (``take_removed``), and nothing is resident any more."""
+        pages = {p[0] for p in map(self.parse_key, self._keys) if p is not None}
+        self._removed.extend(sorted(pages))
+        self._keys.clear()
+        self.bytes = 0
+
     def reset(self, layout: PageLayout) -> None:
         """Empty, keyed by ``layout`` (a flush rebuilt KVCR)."""
         self.layout = layout

@@ -1,0 +1,232 @@
+"""A KVCR fault degrades the linker, it never kills serving (issue 24, finding 1).
+
+Real kvcr 0.1.1 over CPU: the fault is injected on the real owner thread (the
+KVCR's ``poll_completed`` raises, as a dead progress thread's failure surfaces
+there) or delivered through kvcr's own resilience path. Every hook keeps
+answering, lookups miss, offloads fail, and after the backoff a new KVCR serves
+pages byte-exact again.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpu_harness.kvcr_pages import fill_random as fill_pages
+from cpu_harness.kvcr_pages import (
+    hashes_for,
+    kv_transfer,
+    offload_and_commit,
+    owner_stalled,
+    page_bytes,
+    prepare,
+    restore,
+    wait_until,
+)
+from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRTimeoutError
+from sglang.srt.mem_cache.storage.kvcr.datapath.offload_queue import OffloadQueue
+from sglang.srt.mem_cache.storage.kvcr.owner import recovery
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
+    EntryResult,
+    EntryStatus,
+    OpDone,
+    OpId,
+    OpKind,
+)
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
+    LinkerRequestContext,
+)
+
+pytestmark = pytest.mark.kvcr
+
+
+def _kvcr(linker):
+    """The running KVCR object (the owner thread's)."""
+    return linker._adapter._executor.kvcr
+
+
+def _round_trip(linker, pool, salt: str, page: int, dest: int) -> None:
+    """A page offloaded now comes back byte-exact into another slot."""
+    fill_pages(pool, [page], seed=hash(salt) % 1000)
+    hashes = hashes_for(1, salt)
+    original = page_bytes(pool, page).clone()
+    assert offload_and_commit(linker, hashes, [page]) is True
+    prepare(linker, f"rt-{salt}", hashes)
+    assert restore(linker, f"rt-{salt}", hashes, [dest]) is True
+    assert torch.equal(page_bytes(pool, dest), original)
+
+
+def _until_up(linker, timeout: float = 10.0) -> None:
+    """Keep pumping through a hook until the linker restarted its KVCR."""
+    handle = linker.prepare_request(LinkerRequestContext("pump"), kv_transfer([]))
+    wait_until(
+        lambda: linker.preparation_ready(handle) and not linker.kvcr_down,
+        timeout=timeout,
+        what="KVCR restarted",
+    )
+
+
+def test_an_owner_thread_fault_degrades_then_a_restart_serves_again(
+    pool, linker, monkeypatch
+):
+    """The owner thread dies with a deposit in flight: no hook raises, the
+    offload completes failed, lookups miss (even a prepared one), new offloads
+    fail at once; after the backoff a new KVCR (new agent) runs, the pages the
+    old one held are reported removed, and a new page round-trips byte-exact."""
+    fill_pages(pool, [1, 2], seed=31)
+    held = hashes_for(2, "held")
+    assert offload_and_commit(linker, held, [1, 2]) is True
+    prepare(linker, "before", held)  # claims on the old KVCR
+    agent = linker.session.agent
+
+    def broken_poll():
+        raise RuntimeError("injected: KVCR progress thread died")
+
+    with owner_stalled(linker):
+        fill_pages(pool, [3], seed=32)
+        assert linker.offload(kv_transfer(hashes_for(1, "lost"), [3])) is True
+        monkeypatch.setattr(_kvcr(linker), "poll_completed", broken_poll)
+    wait_until(lambda: linker.num_completed_offloads() >= 1, what="failed offload")
+    assert linker.pop_completed_offload() is False
+    assert linker.kvcr_down
+    snap = linker.stats_snapshot()
+    assert (snap["kvcr_failures"], snap["kvcr_restarts"], snap["kvcr_down"]) == (
+        1,
+        0,
+        1,
+    )
+
+    # Down: every hook answers, nothing reaches KVCR, every request recomputes.
+    assert linker.lookup("before", kv_transfer(held)) == []
+    handle = linker.prepare_request(LinkerRequestContext("new"), kv_transfer(held))
+    assert linker.preparation_ready(handle) is True
+    assert linker.lookup("new", kv_transfer(held)) == []
+    assert linker.stats.miss_kvcr_down == 2
+    assert linker.offload(kv_transfer(hashes_for(1, "down"), [3])) is True
+    assert linker.num_completed_offloads() == 1
+    assert linker.pop_completed_offload() is False
+    linker.release_request("before")
+    assert linker.claims_outstanding() == 0
+    assert "kvcr_down=1" in linker.stats_line()
+
+    _until_up(linker)
+    assert linker.session.agent != agent
+    snap = linker.stats_snapshot()
+    assert (snap["kvcr_failures"], snap["kvcr_restarts"], snap["kvcr_down"]) == (
+        1,
+        1,
+        0,
+    )
+    assert sorted(linker.take_removed_page_hashes()) == sorted(held)
+    _round_trip(linker, pool, "after", page=4, dest=20)
+
+
+def test_restart_waits_for_a_restore_that_reads_the_old_dram(pool, linker):
+    """A request whose lookup hit before the fault still restores from the old
+    DRAM; no restart happens while its load is queued (a new DRAM share would
+    make its slots read other bytes), and the restart follows its finish."""
+    fill_pages(pool, [1], seed=41)
+    hashes = hashes_for(1, "hit")
+    original = page_bytes(pool, 1).clone()
+    assert offload_and_commit(linker, hashes, [1]) is True
+    prepare(linker, "hit", hashes)  # the lookup hit
+    with owner_stalled(linker):
+        linker._adapter._executor.kvcr.poll_completed = _raise
+    wait_until(lambda: (linker.lookup("x", kv_transfer([])), linker.kvcr_down)[1])
+    linker.recovery.next_attempt = 0.0  # a restart is due from now on
+    assert linker.load("hit", kv_transfer(hashes, [9])) is True
+    storage = dict(linker.dram.storage)
+    for _ in range(3):  # pumps while the load is queued: no restart
+        assert linker.lookup("y", kv_transfer(hashes)) == []
+    assert linker.kvcr_down
+    assert all(linker.dram.storage[n] is t for n, t in storage.items())
+    index = linker.start_layer_wise_loading()
+    assert linker.finish_layer_wise_loading(index) is True
+    assert torch.equal(page_bytes(pool, 9), original)
+    linker.recovery.next_attempt = 0.0
+    _until_up(linker)
+    assert any(linker.dram.storage[n] is not t for n, t in storage.items())
+
+
+def _raise():
+    raise RuntimeError("injected: KVCR progress thread died")
+
+
+def test_a_flush_whose_old_close_times_out_completes_and_the_linker_works(pool, linker):
+    """SGLang's flush never raises because the old KVCR's close timed out: its
+    DRAM is quarantined and the next KVCR serves pages."""
+    old = dict(linker.dram.storage)
+    real_close = linker._adapter.close
+
+    def stuck_close(timeout_s=None):
+        real_close(timeout_s)
+        raise KVCRTimeoutError("KVCR owner thread still alive after 30 s")
+
+    linker._adapter.close = stuck_close
+    linker.reset()
+    assert linker.quarantined_bytes() == sum(t.numel() for t in old.values())
+    assert not linker.kvcr_down
+    _round_trip(linker, pool, "flushed", page=5, dest=21)
+
+
+def test_a_flush_while_down_brings_kvcr_back(pool, linker):
+    """A flush of a linker whose KVCR failed (its close raises) raises nothing
+    and leaves a working KVCR."""
+    with owner_stalled(linker):
+        linker._adapter._executor.kvcr.poll_completed = _raise
+    wait_until(lambda: (linker.lookup("x", kv_transfer([])), linker.kvcr_down)[1])
+    linker.reset()
+    assert not linker.kvcr_down
+    assert linker.stats_snapshot()["kvcr_down"] == 0
+    _round_trip(linker, pool, "after-flush", page=6, dest=22)
+
+
+def test_source_writes_off_until_restart_leads_to_a_restart(pool, linker):
+    """kvcr's "new source writes disabled until restart", delivered through its
+    own resilience callback, takes the linker down and a restart brings a new
+    KVCR."""
+    agent = linker.session.agent
+    stalled = RuntimeError(
+        "KVCR source progress stalled for 5000.0 ms (timeout: 5000 ms); "
+        "new source writes disabled until restart"
+    )
+    # Queued where kvcr's progress thread reports it; poll_completed delivers it.
+    linker._adapter.call(lambda kv: kv._core._resilience_errors.append(stalled))
+    wait_until(
+        lambda: (linker.lookup("x", kv_transfer([])), linker.kvcr_down)[1],
+        what="linker down",
+    )
+    assert linker._adapter.stats().resilience_events == 1
+    _until_up(linker)
+    assert linker.session.agent != agent
+    assert linker.stats_snapshot()["kvcr_restarts"] == 1
+    _round_trip(linker, pool, "resilient", page=7, dest=23)
+
+
+def test_failed_restarts_back_off_doubling_to_the_cap():
+    state = recovery.Recovery()
+    state.went_down(100.0, "test")
+    assert state.next_attempt == 100.0 + recovery.BACKOFF_FIRST_S
+    waits = [state.attempt_failed(200.0) for _ in range(8)]
+    assert waits == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0]
+    assert not state.due(259.0) and state.due(260.0)
+    state.came_up(restarted=True)
+    assert (state.failures, state.restarts, state.down) == (1, 1, False)
+
+
+def test_offload_results_hold_a_restart_until_stored_ones_are_taken():
+    """A restart waits for every deposit, and for every STORED result SGLang has
+    not taken (its stored mark is set only then, and the restart must report
+    that page removed after it); FAILED results waiting in the FIFO do not."""
+    q = OffloadQueue()
+    record = q.push()
+    record.pending = 1
+    q.track(OpId(1), record)
+    assert q.has_pending
+    ok = {b"k": EntryResult(EntryStatus.SUCCESS)}
+    q.on_done(OpDone(OpId(1), OpKind.DEPOSIT, ok))
+    assert q.has_pending
+    assert q.pop() is True
+    assert not q.has_pending
+    q.push().fail()
+    assert not q.has_pending and q.completed() == 1
