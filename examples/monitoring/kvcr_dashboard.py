@@ -196,12 +196,17 @@ PANELS: tuple[Panel, ...] = (
         "Failures and evictions",
         "short",
         "Restores that failed (request aborted), restore copies that raised, "
-        "failed offloads, and pages KVCR evicted for capacity, per second.",
+        "failed offloads, pages KVCR evicted for capacity, KVCR failures and "
+        "restarts, per second; and how many of a worker's ranks have KVCR down "
+        "(every request recomputed until a restart).",
         (
             Query(rate("sglang:kvcr_load_failures_total"), "load failures"),
             Query(rate("sglang:kvcr_restore_copy_failures_total"), "copy failures"),
             Query(rate("sglang:kvcr_offload_failures_total"), "offload failures"),
             Query(rate("sglang:kvcr_evicted_pages_total"), "evicted pages"),
+            Query(rate("sglang:kvcr_failures_total"), "KVCR failures"),
+            Query(rate("sglang:kvcr_restarts_total"), "KVCR restarts"),
+            Query(gauge("sglang:kvcr_down"), "KVCR down {{instance}}"),
         ),
     ),
     Panel(

@@ -275,7 +275,7 @@ def scenario_offload_backpressure(sc: Scenario, offload_path: str = "direct") ->
             lk.offload(kv_transfer(hashes, pages))
         lk.num_completed_offloads()  # pump: deferred deposits meet the budget now
         time.sleep(0.1)  # the staged path submits from its stager thread
-        queued = lk._adapter._commands.qsize()
+        queued = lk._adapter._inbox.queued()
         deferred = lk.offloader.queue.deferred_count
     total = len(offloads)
     wait_until(

@@ -113,6 +113,10 @@ class OwnerInbox:
                 break
         return self.taken
 
+    def queued(self) -> int:
+        """Commands waiting for the owner thread (approximate, for drivers)."""
+        return self._queue.qsize()
+
     def seal(self) -> list[object]:
         """Take no more; every command taken but not run, and every one queued."""
         with self._lock:
