@@ -16,6 +16,7 @@ from cpu_harness.kvcr_pages import fill_random as fill_pages
 from cpu_harness.kvcr_pages import (
     hashes_for,
     kv_transfer,
+    make_linker,
     offload_and_commit,
     owner_stalled,
     page_bytes,
@@ -179,6 +180,17 @@ def test_a_flush_while_down_brings_kvcr_back(pool, linker):
     assert not linker.kvcr_down
     assert linker.stats_snapshot()["kvcr_down"] == 0
     _round_trip(linker, pool, "after-flush", page=6, dest=22)
+
+
+def test_closing_a_linker_whose_kvcr_is_down_raises_nothing(pool):
+    """Shutdown while down: the failed KVCR's close raises inside, the linker's
+    close does not (its DRAM is kept locked, not freed)."""
+    lk = make_linker(pool)
+    with owner_stalled(lk):
+        lk._adapter._executor.kvcr.poll_completed = _raise
+    wait_until(lambda: (lk.lookup("x", kv_transfer([])), lk.kvcr_down)[1])
+    lk.close()
+    assert lk.is_quiescent()
 
 
 def test_source_writes_off_until_restart_leads_to_a_restart(pool, linker):
