@@ -172,9 +172,9 @@ class KVCRDirectLinker(
 
     # ---- result routing --------------------------------------------------------
 
-    def _pump(self) -> None:
+    def _pump(self, may_restart: bool = False) -> None:
         self._route()
-        self._watch_kvcr()  # KVCR failed: go down; down: restart when due
+        self._watch_kvcr(may_restart)  # failed: go down; down: restart when due
 
     def _route(self) -> None:
         if self.offloader.queue.has_deferred:
@@ -310,7 +310,7 @@ class KVCRDirectLinker(
         return True
 
     def num_completed_offloads(self) -> int:
-        self._pump()
+        self._pump(may_restart=True)  # once a step, never between lookup and load
         return self.offloader.queue.completed()
 
     def pop_completed_offload(self) -> bool:

@@ -7,8 +7,9 @@ writes off until a restart) the linker goes DOWN once, logged at ERROR and
 counted (``kvcr_failures``). While DOWN lookups miss (``kvcr_down``),
 preparations fetch nothing and offloads complete as failed, so every request is
 recomputed; the failed adapter answers every command it had as FAILED, so
-nothing waits on it. A restart is tried once ``owner.recovery`` says its backoff
-is due (1 s, doubling to 60 s) and it is safe: no restore queued or started
+nothing waits on it. A restart is tried from the once-a-step pump
+(``num_completed_offloads``, never between a request's lookup and its load) once
+``owner.recovery`` says its backoff is due (1 s, doubling to 60 s) and it is safe: no restore queued or started
 (restore slots index the old DRAM, which a restart replaces), and no offload
 result still pending or stored but not yet taken by SGLang (its stored mark must
 be set before this rank reports every page it held removed). A restart drops
@@ -92,7 +93,7 @@ class LinkerLifecycle:
         self.replicas.reset()
         self.residency.reset(self.layout)
         try:
-            self.session.flush(self.layout, loads_quiet, identity is not None, timeout)
+            self.session.flush(self.layout, loads_quiet, timeout)
         except Exception as exc:  # the next KVCR did not start: recompute for now
             if not self.recovery.down:
                 self._go_down(f"no KVCR after the flush: {exc!r}")
@@ -143,13 +144,16 @@ class LinkerLifecycle:
         """KVCR is gone: every request is recomputed until a restart."""
         return self.recovery.down
 
-    def _watch_kvcr(self) -> None:
-        """After each pump: go DOWN when KVCR failed; restart it when due and safe."""
+    def _watch_kvcr(self, may_restart: bool) -> None:
+        """After each pump: go DOWN when KVCR failed; restart it when due and safe,
+        and only from the once-a-step pump (``may_restart``): a restart between a
+        request's lookup and its load would drop the claims the load needs."""
         if not self.recovery.down:
             if self.session.failed:
                 self._go_down(self._failure_cause())
             return
-        if self.recovery.due(time.monotonic()) and self._restart_is_safe():
+        due = may_restart and self.recovery.due(time.monotonic())
+        if due and self._restart_is_safe():
             self._restart()
 
     def _failure_cause(self) -> str:

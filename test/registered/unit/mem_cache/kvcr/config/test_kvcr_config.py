@@ -331,3 +331,17 @@ def test_docs_reference_every_config_field_with_its_default():
         else:
             assert rows[field.name] == f"`{field.default!r}`", field.name
     assert set(rows) == {f.name for f in dataclasses.fields(KVCRLinkerConfig)}
+
+
+def test_an_idle_progress_sleep_near_the_operation_timeout_is_refused():
+    """kvcr turns source writes off when its progress loop sleeps as long as an
+    operation's timeout: the idle sleep must stay well under it."""
+    ok = KVCRLinkerConfig.from_dict(
+        {**GOOD, "progress_idle_ms": 250, "operation_timeout_ms": 1000}
+    )
+    assert ok.progress_idle_ms == 250
+    for idle, timeout in ((600, 500), (1000, 1000), (251, 1000)):
+        with pytest.raises(KVCRConfigError, match="progress_idle_ms"):
+            KVCRLinkerConfig.from_dict(
+                {**GOOD, "progress_idle_ms": idle, "operation_timeout_ms": timeout}
+            )

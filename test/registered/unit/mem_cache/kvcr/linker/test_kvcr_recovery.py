@@ -41,6 +41,12 @@ from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
 pytestmark = pytest.mark.kvcr
 
 
+STALLED = RuntimeError(
+    "KVCR source progress stalled for 5000.0 ms (timeout: 5000 ms); "
+    "new source writes disabled until restart"
+)
+
+
 def _kvcr(linker):
     """The running KVCR object (the owner thread's)."""
     return linker._adapter._executor.kvcr
@@ -58,13 +64,31 @@ def _round_trip(linker, pool, salt: str, page: int, dest: int) -> None:
 
 
 def _until_up(linker, timeout: float = 10.0) -> None:
-    """Keep pumping through a hook until the linker restarted its KVCR."""
-    handle = linker.prepare_request(LinkerRequestContext("pump"), kv_transfer([]))
+    """Step the linker as SGLang does (its once-a-step offload poll, the only
+    pump that may restart) until it restarted its KVCR."""
     wait_until(
-        lambda: linker.preparation_ready(handle) and not linker.kvcr_down,
+        lambda: (linker.num_completed_offloads(), not linker.kvcr_down)[1],
         timeout=timeout,
         what="KVCR restarted",
     )
+
+
+def test_no_restart_from_a_lookup_or_a_preparation(linker):
+    """Between a request's lookup and its load a restart would drop the claims
+    the load needs: only the once-a-step pump restarts."""
+    linker._adapter.call(lambda kv: kv._core._resilience_errors.append(STALLED))
+    wait_until(
+        lambda: (linker.lookup("x", kv_transfer([])), linker.kvcr_down)[1],
+        what="linker down",
+    )
+    linker.recovery.next_attempt = 0.0  # due now
+    for _ in range(3):
+        linker.lookup("x", kv_transfer([]))
+        handle = linker.prepare_request(LinkerRequestContext("p"), kv_transfer([]))
+        assert linker.preparation_ready(handle)
+    assert linker.kvcr_down
+    _until_up(linker)
+    assert linker.stats_snapshot()["kvcr_restarts"] == 1
 
 
 def test_an_owner_thread_fault_degrades_then_a_restart_serves_again(
@@ -146,7 +170,12 @@ def test_restart_waits_for_a_restore_that_reads_the_old_dram(pool, linker):
     assert torch.equal(page_bytes(pool, 9), original)
     linker.recovery.next_attempt = 0.0
     _until_up(linker)
-    assert any(linker.dram.storage[n] is not t for n, t in storage.items())
+    # The failed owner thread closed its KVCR cleanly: the share is idle, so it
+    # is zeroed and reused (nothing quarantined, peer fetches stay on).
+    assert all(linker.dram.storage[n] is t for n, t in storage.items())
+    assert not any(t.any() for t in linker.dram.storage.values())
+    gauges = linker.dram.gauges()
+    assert gauges.quarantined_bytes == 0 and not gauges.peer_fetches_off
 
 
 def _raise():
@@ -198,12 +227,8 @@ def test_source_writes_off_until_restart_leads_to_a_restart(pool, linker):
     own resilience callback, takes the linker down and a restart brings a new
     KVCR."""
     agent = linker.session.agent
-    stalled = RuntimeError(
-        "KVCR source progress stalled for 5000.0 ms (timeout: 5000 ms); "
-        "new source writes disabled until restart"
-    )
     # Queued where kvcr's progress thread reports it; poll_completed delivers it.
-    linker._adapter.call(lambda kv: kv._core._resilience_errors.append(stalled))
+    linker._adapter.call(lambda kv: kv._core._resilience_errors.append(STALLED))
     wait_until(
         lambda: (linker.lookup("x", kv_transfer([])), linker.kvcr_down)[1],
         what="linker down",
@@ -242,3 +267,78 @@ def test_offload_results_hold_a_restart_until_stored_ones_are_taken():
     assert not q.has_pending
     q.push().fail()
     assert not q.has_pending and q.completed() == 1
+
+
+def test_a_flush_or_close_after_a_failed_start_raises_nothing(
+    pool, linker, monkeypatch
+):
+    """A flush whose next KVCR does not start leaves the closed adapter in place:
+    the next flush and the close still answer (no exception into SGLang's flush
+    or shutdown), and the next start that works brings KVCR back."""
+    from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_session import KVCRSession
+
+    real_start = KVCRSession._start
+    failing = [True]
+
+    def start(self):
+        if failing[0]:
+            raise RuntimeError("injected: no control port")
+        return real_start(self)
+
+    monkeypatch.setattr(KVCRSession, "_start", start)
+    linker.reset()
+    assert linker.kvcr_down
+    linker.reset()  # again, still failing: answers
+    assert linker.kvcr_down
+    failing[0] = False
+    linker.reset()
+    assert not linker.kvcr_down
+    _round_trip(linker, pool, "after-failed-start", page=5, dest=21)
+
+
+def test_a_dram_swap_that_fails_is_redone_by_the_next_restart(
+    pool, linker, monkeypatch
+):
+    """An unclean close quarantines the old share and takes a new one; when
+    taking it fails the old share stays where it was and the next restart takes
+    it again, so a new KVCR never registers DRAM that is also quarantined."""
+    from sglang.srt.mem_cache.storage.kvcr.owner import quarantine
+    from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_session import KVCRSession
+
+    def unclean_close(old):
+        old.close()
+        return False  # as if a transfer could still write its DRAM
+
+    monkeypatch.setattr(KVCRSession, "_close", staticmethod(unclean_close))
+    real_take = quarantine.Quarantine.take
+    failing = [True]
+
+    def take(self, name, nbytes):
+        if failing[0]:
+            raise MemoryError("injected: cannot pin another share")
+        return real_take(self, name, nbytes)
+
+    monkeypatch.setattr(quarantine.Quarantine, "take", take)
+    old = dict(linker.dram.storage)
+    linker._adapter.call(lambda kv: kv._core._resilience_errors.append(STALLED))
+    wait_until(
+        lambda: (linker.lookup("x", kv_transfer([])), linker.kvcr_down)[1],
+        what="linker down",
+    )
+    linker.recovery.next_attempt = 0.0
+    linker.num_completed_offloads()  # the restart's DRAM swap fails
+    assert linker.kvcr_down
+    assert all(linker.dram.storage[n] is t for n, t in old.items())
+    assert linker.dram.quarantine.cores == 0  # nothing quarantined yet
+    failing[0] = False
+    linker.recovery.next_attempt = 0.0
+    _until_up(linker)
+    assert all(linker.dram.storage[n] is not t for n, t in old.items())
+    assert linker.dram.quarantine.cores == 1
+    fresh = {t.data_ptr() for t in linker.dram.storage.values()}
+    registered = {addr for _, addr, _ in _kvcr_dram_regions(linker)}
+    assert registered <= fresh  # the new KVCR runs on the new share only
+
+
+def _kvcr_dram_regions(linker):
+    return linker.session._factory_args["local_dram_pools"]

@@ -172,7 +172,8 @@ class KVCRLinkerConfig:
             "Longest an idle KVCR progress loop sleeps (kvcr itself wakes every 1 ms, "
             "taking the GIL next to the forward). This worker's own operations wake "
             "it at once; a peer's first request to a worker idle for 50 ms may wait "
-            "this long. 0 keeps kvcr's 1 ms loop."
+            "this long. 0 keeps kvcr's 1 ms loop. At most a quarter of "
+            "operation_timeout_ms (kvcr stops serving peers after a longer gap)."
         ),
     )
     offload_path: str = dataclasses.field(
@@ -258,6 +259,14 @@ class KVCRLinkerConfig:
             if not isinstance(getattr(self, flag), bool):
                 raise config_error(flag, "must be true or false")
         require_int("progress_idle_ms", self.progress_idle_ms, minimum=0, maximum=1000)
+        if self.progress_idle_ms * 4 > self.operation_timeout_ms:
+            # kvcr turns this worker's source writes off when its progress loop
+            # sleeps as long as an operation's timeout.
+            raise config_error(
+                "progress_idle_ms",
+                f"{self.progress_idle_ms} is over a quarter of operation_timeout_ms="
+                f"{self.operation_timeout_ms}; lower it (or raise the timeout)",
+            )
         require_int(
             "max_quarantined_cores", self.max_quarantined_cores, minimum=0, maximum=64
         )

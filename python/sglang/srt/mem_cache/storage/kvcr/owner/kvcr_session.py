@@ -22,6 +22,7 @@ import socket
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRAdapterFailed
 from sglang.srt.mem_cache.storage.kvcr.config.linker_config import KVCRLinkerConfig
 from sglang.srt.mem_cache.storage.kvcr.fleet.router_hint import own_endpoints
 from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import KeyAdapter, PageLayout
@@ -63,10 +64,12 @@ class KVCRSession:
 
     __slots__ = (
         "_dram",
+        "_dram_ready",
         "_factory_args",
         "_hosts",
         "_label",
         "_limits",
+        "_old_clean",
         "_retired",
         "_stale",
         "adapter",
@@ -95,7 +98,9 @@ class KVCRSession:
         self._retired = AdapterStats()  # counts of the incarnations flushed
         # The adapter was closed and its DRAM handed on, but no next one started
         # (a restart's start failed): the next attempt only starts one.
-        self._stale = False
+        self._stale = False  # the adapter is closed; no next one runs yet
+        self._old_clean = False  # whether that close proved its KVCR quiescent
+        self._dram_ready = False  # the next one's DRAM is handed over
         self.adapter = self._start()
 
     @classmethod
@@ -145,45 +150,53 @@ class KVCRSession:
         """Replace a failed KVCR: close it (an exception or a timeout is an
         unclean close: its DRAM stays quarantined) and start the next one, as a
         flush does; the caller made sure no restore reads the old DRAM. Raises
-        when the next one does not start (then the next call only starts)."""
-        if not self._stale:
-            self._retire(layout, loads_quiet=True, timeout_s=timeout_s)
-        self.adapter = self._start()
-        self._stale = False
+        when the next one does not start; the next call redoes whatever step
+        did not finish (the DRAM hand-over included)."""
+        self._next(layout, loads_quiet=True, timeout_s=timeout_s)
 
-    def _retire(self, layout: PageLayout, loads_quiet: bool, timeout_s: float) -> None:
-        """Close the running adapter and hand its DRAM (or a fresh share, when it
-        is not provably idle) to the next one."""
+    def _next(self, layout: PageLayout, loads_quiet: bool, timeout_s: float) -> None:
+        """Retire the running incarnation (once), hand its DRAM over (again
+        until that succeeds) and start the next one, keyed for ``layout``."""
         old = self.adapter
-        self._retired = self._summed(old.stats())
-        self._stale = True
-        try:
-            closed_clean = old.close()
-        except Exception as exc:  # KVCRAdapterFailed, KVCRTimeoutError
-            # Failed or stuck: nothing proves its DRAM idle.
-            logger.error("KVCR close was not clean (%s); its DRAM is quarantined", exc)
-            closed_clean = False
-        # A copy still running past the deadline may read the old DRAM however
-        # cleanly KVCR closed: that share is never reclaimed.
-        clean = closed_clean and loads_quiet
-        if self._dram.flush(old, clean, timeout_s, reclaimable=loads_quiet):
-            regions = layout.local_dram_regions(list(self._dram.storage.values()))
-            self._factory_args["local_dram_pools"] = regions
+        if not self._stale:
+            self._retired = self._summed(old.stats())
+            self._stale, self._dram_ready = True, False
+            self._old_clean = self._close(old)
+        if not self._dram_ready:
+            # A copy still running past the deadline may read the old DRAM
+            # however cleanly KVCR closed: that share is never reclaimed.
+            clean = self._old_clean and loads_quiet
+            if self._dram.flush(old, clean, timeout_s, reclaimable=loads_quiet):
+                regions = layout.local_dram_regions(list(self._dram.storage.values()))
+                self._factory_args["local_dram_pools"] = regions
+            self._dram_ready = True
+        self._factory_args["key_adapter"] = KeyAdapter(layout)  # its digest
+        self.adapter = self._start()
+        self._stale = self._dram_ready = False
 
-    def flush(
-        self, layout: PageLayout, loads_quiet: bool, rekey: bool, timeout_s: float
-    ) -> None:
+    @staticmethod
+    def _close(old: KVCRAdapter) -> bool:
+        """Whether closing ``old`` proved its KVCR quiescent (DRAM idle)."""
+        try:
+            return old.close()
+        except KVCRAdapterFailed as exc:
+            # The owner thread failed, then closed KVCR itself: as clean as
+            # that close was (a stuck or retained KVCR never is).
+            clean = old.reclaim(0.0)
+            if not clean:
+                logger.error("KVCR failed (%s); its DRAM is quarantined", exc)
+            return clean
+        except Exception as exc:  # KVCRTimeoutError: stuck
+            logger.error("KVCR close was not clean (%s); its DRAM is quarantined", exc)
+            return False
+
+    def flush(self, layout: PageLayout, loads_quiet: bool, timeout_s: float) -> None:
         """Close this incarnation and start the next one over DRAM the quarantine
         says is idle (``loads_quiet``: no restore copy can still read it), keyed
-        for ``layout`` when ``rekey`` (new weights gave it a new digest). The old
-        one's close never makes this raise; a next one that does not start does
-        (``failed`` then holds and ``restart`` tries again)."""
-        if not self._stale:
-            self._retire(layout, loads_quiet, timeout_s)
-        if rekey:
-            self._factory_args["key_adapter"] = KeyAdapter(layout)
-        self.adapter = self._start()
-        self._stale = False
+        for ``layout`` (new weights give it a new digest). The old one's close
+        never makes this raise; a next one that does not start does (``failed``
+        then holds and ``restart`` tries again)."""
+        self._next(layout, loads_quiet, timeout_s)
         logger.info(
             "KVCR linker reset: residency cleared, endpoint=%s digest=%s",
             self.endpoint,

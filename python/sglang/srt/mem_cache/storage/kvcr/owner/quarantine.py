@@ -177,25 +177,24 @@ class KVCRDram:
         replaced = not clean
         if replaced:
             # A transfer may still write the old DRAM: quarantine it with its core
-            # and give the new KVCR other memory.
+            # and give the new KVCR other memory, taken first (all or nothing):
+            # a failed allocation leaves the old share where it was, never
+            # handed to a next KVCR while also quarantined.
+            disabled = self.quarantine.cores + 1 > self.max_cores
+            fresh = self._take_all(self._page_bytes if disabled else self._share_bytes)
             self.quarantine.add(old_core, self.storage, reclaimable)
-            self._set_disabled(self.quarantine.cores > self.max_cores)
-            sizes = self._page_bytes if self.disabled else self._share_bytes
-            self.storage = {
-                name: self.quarantine.take(name, sizes[name]) for name in self.storage
-            }
+            self._set_disabled(disabled)
+            self.storage = fresh
             logger.error(
                 "KVCR reset: old core not quiescent; %d bytes quarantined",
                 self.quarantine.bytes(),
             )
         elif self.disabled and self.quarantine.cores <= self.max_cores:
             # Reclaimed back under the bound: a full share again.
+            fresh = self._take_all(self._share_bytes)
             for buf in self.storage.values():
                 self.memory.release(buf)
-            self.storage = {
-                name: self.quarantine.take(name, nbytes)
-                for name, nbytes in self._share_bytes.items()
-            }
+            self.storage = fresh
             self._set_disabled(False)
             replaced = True
         else:
@@ -216,6 +215,18 @@ class KVCRDram:
             logger.info("KVCR: quarantine back under its bound; peer fetches are on")
         self.peer_fetches_off = over
         return replaced
+
+    def _take_all(self, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+        """A buffer per pool, or none: what was taken goes back on a failure."""
+        taken: dict[str, torch.Tensor] = {}
+        try:
+            for name in self.storage:
+                taken[name] = self.quarantine.take(name, sizes[name])
+        except BaseException:
+            for buf in taken.values():
+                self.memory.release(buf)  # fresh or a proven-idle spare
+            raise
+        return taken
 
     def gauges(self) -> DramGauges:
         """This share's figures for the stats snapshot."""
