@@ -60,3 +60,13 @@ def test_a_channel_sends_nothing_to_an_endpoint_off_the_allowlist():
         channel.close()
         sink.close()
         ctx.term()
+
+
+def test_a_name_entry_allows_dialing_the_address_it_resolves_to():
+    """Peers advertise an IP; an allowlist naming their host still reaches them
+    (the entry's ports apply), and nothing else that name does not cover."""
+    guard = _guard(peer_endpoint_allowlist=["localhost:7000-7009"])
+    guard.load()
+    assert guard.may_dial("tcp://127.0.0.1:7001")
+    assert not guard.may_dial("tcp://127.0.0.1:7010")
+    assert not guard.may_dial("tcp://198.18.0.9:7001")

@@ -34,7 +34,10 @@ from typing import Any
 
 from sglang.srt.mem_cache.storage.kvcr.config import linker_config as kvcr_config
 from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRUnavailableError
-from sglang.srt.mem_cache.storage.kvcr.fleet.router_hint import EndpointAllowlist
+from sglang.srt.mem_cache.storage.kvcr.fleet.router_hint import (
+    EndpointAllowlist,
+    split_endpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +72,18 @@ class InboundGuard:
         self._outbound = outbound
         self._networks: list[ipaddress._BaseNetwork] = []
         self._names: list[str] = []
+        self._name_ports: list[tuple[str, int, int]] = []
         for entry in entries:
-            target, _, _ = kvcr_config.parse_allowlist_entry(entry)
+            target, lo, hi = kvcr_config.parse_allowlist_entry(entry)
             if isinstance(target, str):
                 self._names.append(target)
+                self._name_ports.append((target, lo, hi))
             else:
                 self._networks.append(target)
         self._resolved: frozenset[_Address] = frozenset()
+        # Name entries' addresses with their ports: a peer advertising an IP is
+        # dialed when a name entry resolves to it.
+        self._resolved_ports: tuple[tuple[_Address, int, int], ...] = ()
         self.source_host = _source_host(source_host)
         self.curve = bool(secret_key_file and public_keys_dir)
         self._secret_key_file = secret_key_file
@@ -110,7 +118,8 @@ class InboundGuard:
         import zmq.auth
 
         addresses: set[_Address] = set()
-        for name in self._names:
+        with_ports: list[tuple[_Address, int, int]] = []
+        for name, lo, hi in self._name_ports:
             try:
                 infos = _resolve(name, _RESOLVE_TIMEOUT_S)
             except OSError as exc:
@@ -125,7 +134,9 @@ class InboundGuard:
                 addr = _address(str(info[4][0]))
                 if addr is not None:
                     addresses.add(addr)
+                    with_ports.append((addr, lo, hi))
         self._resolved = frozenset(addresses)
+        self._resolved_ports = tuple(with_ports)
         if not self.curve:
             return
         try:
@@ -165,6 +176,12 @@ class InboundGuard:
         are checked against (host and port), so a peer's message cannot make it
         send its NIXL metadata anywhere else; a refusal is counted and logged."""
         if self._outbound is None or self._outbound.allows_endpoint(endpoint):
+            return True
+        host, port = split_endpoint(endpoint) or ("", 0)
+        addr = _address(host.strip("[]")) if host else None
+        if addr is not None and any(
+            addr == a and lo <= port <= hi for a, lo, hi in self._resolved_ports
+        ):
             return True
         with self._lock:
             self._dial_refused += 1

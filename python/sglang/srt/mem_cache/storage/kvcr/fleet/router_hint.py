@@ -108,11 +108,8 @@ class EndpointAllowlist:
 
     def allows_endpoint(self, endpoint: str) -> bool:
         """Whether ``tcp://host:port`` is allowed (False when it is not one)."""
-        try:
-            host, port = _parse_endpoint(endpoint)
-        except _Reject:
-            return False
-        return self.allows(host, port)
+        parsed = split_endpoint(endpoint)
+        return parsed is not None and self.allows(*parsed)
 
     def allows(self, host: str, port: int) -> bool:
         """Whether ``host`` (IP, optionally bracketed, or name) and ``port`` match."""
@@ -253,6 +250,14 @@ def _parse_endpoint(value: object) -> tuple[str, int]:
     if not host or not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
         raise _Reject(_R.BAD_ENDPOINT, f"not tcp://host:port: {text[:80]!r}")
     return host, int(port)
+
+
+def split_endpoint(endpoint: object) -> tuple[str, int] | None:
+    """``tcp://host:port`` -> (host, port) in canonical form; None when not one."""
+    try:
+        return _parse_endpoint(endpoint)
+    except _Reject:
+        return None
 
 
 def _str(value: object) -> str:
