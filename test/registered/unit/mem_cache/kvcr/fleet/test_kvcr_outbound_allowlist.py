@@ -10,6 +10,7 @@ exists; a refusal is counted and nothing leaves.
 from __future__ import annotations
 
 import functools
+import time
 
 import zmq
 
@@ -70,3 +71,32 @@ def test_a_name_entry_allows_dialing_the_address_it_resolves_to():
     assert guard.may_dial("tcp://127.0.0.1:7001")
     assert not guard.may_dial("tcp://127.0.0.1:7010")
     assert not guard.may_dial("tcp://198.18.0.9:7001")
+
+
+def test_the_guarded_socket_drops_an_oversized_message(monkeypatch):
+    """A peer cannot make the control socket buffer an unbounded message: past
+    ``MAX_CONTROL_MESSAGE_BYTES`` its connection is dropped, and a normal
+    message from a new connection is still received."""
+    monkeypatch.setattr(kvcr_patches, "MAX_CONTROL_MESSAGE_BYTES", 1 << 16)
+    guard = _guard()
+    guarded = functools.partial(kvcr_patches.guarded_channel_class(), guard=guard)
+    channel = kvcr_factory._channel_on_own_port(guarded, "127.0.0.1", "127.0.0.1")
+    channel.initialize()
+    ctx = zmq.Context()
+    try:
+        for payload, expected in ((b"x" * (1 << 17), []), (b"small", [b"small"])):
+            peer = ctx.socket(zmq.PUSH)
+            peer.linger = 0
+            peer.connect(channel.endpoint)
+            peer.send(payload)
+            got = []
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline and not got:
+                got = channel.recv()
+                time.sleep(0.01)
+            assert [len(m) for m in got] == [len(m) for m in expected]
+            assert got == expected
+            peer.close()
+    finally:
+        channel.close()
+        ctx.destroy(linger=0)

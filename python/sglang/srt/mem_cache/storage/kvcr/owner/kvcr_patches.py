@@ -187,6 +187,9 @@ def public_claims(kv: Any) -> int:
 
 _GUARDED: type | None = None
 _GUARDED_LOCK = threading.Lock()
+# kvcr's control messages carry keys, slot descriptors and, once per peer, NIXL
+# agent metadata: kilobytes to a few MiB.
+MAX_CONTROL_MESSAGE_BYTES = 64 << 20
 
 
 def guarded_channel_class() -> type:
@@ -265,6 +268,9 @@ def _build_guarded_channel_class() -> type:
                 raise ControlAuthError("kvcr reserved no control listener")
             guarded = ctx.socket(zmq.PULL)
             guarded.linger = 0
+            # A peer's message larger than any kvcr control message drops its
+            # connection instead of being buffered whole.
+            guarded.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE_BYTES)
             descriptor = None
             try:
                 self._guard.server_options(guarded)
