@@ -166,6 +166,12 @@ class KVCRDirectLinker(
         )
 
     @property
+    def _refusing_pages(self) -> bool:
+        """No page is stored or fetched now: pages of new weights would be keyed
+        as old ones, a disabled linker has no DRAM, a down one no KVCR."""
+        return self.weights.pending or self.dram.disabled or self.recovery.down
+
+    @property
     def weights_pending(self) -> bool:
         """Whether new weights are served but KVCR is not re-keyed for them yet."""
         return self.weights.pending
@@ -214,10 +220,10 @@ class KVCRDirectLinker(
             self.residency,
             self.layout,
             self.config,
-            self.weights.pending or self.dram.disabled or self.recovery.down,
+            self._refusing_pages,
             self._adapter.next_op_id,
         )
-        if commands and not self.recovery.down:  # down: nothing reaches KVCR
+        if commands:  # a failed KVCR's adapter answers them itself
             self.session.submit(commands)
             self._pump()
         return ctx.handle
@@ -301,11 +307,12 @@ class KVCRDirectLinker(
     def offload(
         self, transfers: list[PoolTransfer], session_id: str | None = None
     ) -> bool:
-        # Pages of new weights would be keyed as old ones; a disabled linker
-        # has no DRAM to store into, a down one no KVCR.
-        refuse = self.weights.pending or self.dram.disabled or self.recovery.down
         self.offloader.offload(
-            transfers, self._adapter, self.session.agent, self._ready_events, refuse
+            transfers,
+            self._adapter,
+            self.session.agent,
+            self._ready_events,
+            self._refusing_pages,
         )
         return True
 

@@ -183,12 +183,9 @@ class InboundGuard:
             addr == a and lo <= port <= hi for a, lo, hi in self._resolved_ports
         ):
             return True
-        with self._lock:
-            self._dial_refused += 1
-            first = endpoint not in self._warned and len(self._warned) < _MAX_WARNED
-            if first:
-                self._warned.add(endpoint)
-        level = logging.WARNING if first else logging.DEBUG
+        level = (
+            logging.WARNING if self._count(endpoint, inbound=False) else logging.DEBUG
+        )
         logger.log(
             level, "KVCR control: not dialing %s (not on the allowlist)", endpoint
         )
@@ -200,13 +197,20 @@ class InboundGuard:
         with self._lock:
             return self._dial_refused
 
-    def _refuse(self, address: str, reason: str) -> bool:
+    def _count(self, peer: str, inbound: bool) -> bool:
+        """Count one refusal; whether it is the first for ``peer`` (warned once)."""
         with self._lock:
-            self._refused += 1
-            first = address not in self._warned and len(self._warned) < _MAX_WARNED
+            if inbound:
+                self._refused += 1
+            else:
+                self._dial_refused += 1
+            first = peer not in self._warned and len(self._warned) < _MAX_WARNED
             if first:
-                self._warned.add(address)
-        if first:
+                self._warned.add(peer)
+            return first
+
+    def _refuse(self, address: str, reason: str) -> bool:
+        if self._count(address, inbound=True):
             logger.warning(
                 "KVCR control channel refused a connection from %s (%s); further "
                 "refusals from it are counted as inbound_refused",

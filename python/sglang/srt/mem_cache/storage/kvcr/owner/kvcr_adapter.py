@@ -225,10 +225,8 @@ class KVCRAdapter:
             return 0
         try:
             return int(self.call(kvcr_patches.public_claims))
-        except KVCRAdapterFailed:
-            if self.failed:
-                return 0
-            raise
+        except KVCRAdapterFailed:  # failed or closed meanwhile: it holds none
+            return 0
 
     def stats(self) -> AdapterStats:
         with self._stats_lock:

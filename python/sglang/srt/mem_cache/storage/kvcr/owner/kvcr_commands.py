@@ -1,9 +1,9 @@
 """The typed values exchanged with the owner-thread adapter (kvcr_adapter).
 
 Operation and claim ids (``OpId``, ``ClaimId``), commands the scheduler thread
-enqueues (``Deposit``, ``Fetch``, ``Release``, ``DiscardHint``), results it drains (``OpDone`` with one ``EntryResult`` per key,
-``InventoryChange``), the adapter's limits and counters, and the callbacks the
-KVCR factory receives. Frozen slotted dataclasses and enums only: no behaviour.
+enqueues (``Deposit``, ``Fetch``, ``Release``, ``DiscardHint``), results it
+drains (``OpDone`` with one ``EntryResult`` per key, ``InventoryChange``), the
+adapter's limits and counters, and the callbacks the KVCR factory receives. Frozen slotted dataclasses and enums only: no behaviour.
 """
 
 from __future__ import annotations

@@ -39,7 +39,6 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     InventoryChange,
     NoPinFramework,
     OpDone,
-    OpId,
     OpKind,
     Release,
     budget_of,
@@ -62,18 +61,6 @@ class Call:
 
     fn: Callable[[Any], Any]
     future: Future[Any]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Inflight:
-    """An operation KVCR runs, and the command it came from (to answer it FAILED
-    if KVCR never completes it)."""
-
-    kind: OpKind
-    op_id: OpId
-    budget: Budget
-    nbytes: int
-    command: Deposit | Fetch
 
 
 class OwnerInbox:
@@ -263,7 +250,9 @@ class CommandExecutor:
         self._stats = stats
         self._stats_lock = stats_lock
         self._uncharge = uncharge
-        self.inflight: dict[int, Inflight] = {}
+        # KVCR handle -> the deposit or fetch it runs (its id, budget and keys:
+        # what a completion reports, or what a FAILED answer needs).
+        self.inflight: dict[int, Deposit | Fetch] = {}
 
     @property
     def kvcr(self) -> Any:
@@ -272,7 +261,7 @@ class CommandExecutor:
     def poll_period(self) -> float:
         if not self.inflight:
             return IDLE_POLL_S
-        if any(op.kind is OpKind.FETCH for op in self.inflight.values()):
+        if any(isinstance(op, Fetch) for op in self.inflight.values()):
             return FETCH_POLL_S
         return DEPOSIT_POLL_S
 
@@ -294,7 +283,7 @@ class CommandExecutor:
         kv = self._kvcr
         if isinstance(command, Deposit):
             handle = kv.deposit(dict(command.blocks))
-            self._track(handle, command)
+            self.inflight[handle] = command
             self._count("deposits", 1)
         elif isinstance(command, Fetch):
             if command.hint is not None:
@@ -309,7 +298,7 @@ class CommandExecutor:
                 request_id=command.request_id,
                 expected_layout=list(command.expected_layout),
             )
-            self._track(handle, command)
+            self.inflight[handle] = command
             self._count("fetches", 1)
         elif isinstance(command, Release):
             results = kv.release(list(command.claims))
@@ -323,20 +312,11 @@ class CommandExecutor:
                 except BaseException as exc:
                     command.future.set_exception(exc)
 
-    def _track(self, handle: int, command: Deposit | Fetch) -> None:
-        kind = OpKind.DEPOSIT if isinstance(command, Deposit) else OpKind.FETCH
-        budget = budget_of(command)
-        self.inflight[handle] = Inflight(
-            kind, command.op_id, budget, command.nbytes, command
-        )
-
     def fail_inflight(self) -> None:
         """KVCR is gone: every operation it still ran completes FAILED, with its
         keys, and gives its budget back."""
         ops, self.inflight = self.inflight, {}
-        answer_unrun(
-            (op.command for op in ops.values()), self._results, self._uncharge, ""
-        )
+        answer_unrun(ops.values(), self._results, self._uncharge, "")
 
     def _count(self, field: str, n: int) -> None:
         with self._stats_lock:
@@ -359,8 +339,9 @@ class CommandExecutor:
             # still there to be answered FAILED.
             done = {bytes(key): _entry(result) for key, result in entries.items()}
             del self.inflight[handle]
-            self._uncharge(op.budget, op.nbytes)
-            self._results.put(OpDone(op.op_id, op.kind, done))
+            self._uncharge(budget_of(op), op.nbytes)
+            kind = OpKind.DEPOSIT if isinstance(op, Deposit) else OpKind.FETCH
+            self._results.put(OpDone(op.op_id, kind, done))
 
 
 def _entry(result: Any) -> EntryResult:

@@ -96,8 +96,8 @@ class KVCRSession:
         self.agent = ""
         self.own_endpoints: frozenset[str] = frozenset()
         self._retired = AdapterStats()  # counts of the incarnations flushed
-        # The adapter was closed and its DRAM handed on, but no next one started
-        # (a restart's start failed): the next attempt only starts one.
+        # Retiring an incarnation is three steps (close, DRAM hand-over, start);
+        # a failed step is redone by the next attempt, the finished ones are not.
         self._stale = False  # the adapter is closed; no next one runs yet
         self._old_clean = False  # whether that close proved its KVCR quiescent
         self._dram_ready = False  # the next one's DRAM is handed over
