@@ -21,7 +21,7 @@ import torch
 from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRUnavailableError
 from sglang.srt.mem_cache.storage.kvcr.config.startup_checks import TREE_CORE_ENV
 from sglang.srt.mem_cache.storage.kvcr.fleet.event_hashes import published_aliases
-from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import stored_marks
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import lora_namespace, stored_marks
 from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
     LinkerRequestContext,
     PreparationHandle,
@@ -30,7 +30,6 @@ from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
 )
 
 logger = logging.getLogger(__name__)
-
 
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
 _WRAPPER = (
@@ -69,6 +68,8 @@ TARGETS: tuple[str, ...] = (
     f"{_CACHE}.check_hicache_events",
     f"{_CACHE}.init_cache_linker",
     f"{_CACHE}.reset",
+    f"{_SCHED}._record_kv_event_lora_name",  # LoRA namespace (lora_namespace)
+    "sglang.srt.mem_cache.utils.storage_namespace_seed",
     *WEIGHT_TARGETS,
 )
 
@@ -87,6 +88,8 @@ def register_hooks() -> None:
     HookRegistry.register(TARGETS[6], _after_check_hicache_events, after)
     HookRegistry.register(TARGETS[7], _after_init_cache_linker, after)
     HookRegistry.register(TARGETS[8], _after_cache_reset, after)
+    HookRegistry.register(TARGETS[9], lora_namespace.around_record_lora_name, around)
+    HookRegistry.register(TARGETS[10], lora_namespace.around_storage_seed, around)
     HookRegistry.register(_PD_PREFILL, _after_optimistic_requeue, after)
     for target in WEIGHT_TARGETS:
         HookRegistry.register(target, _around_weight_update, around)
