@@ -3,12 +3,16 @@ covers (issue 24, finding 8).
 
 Covered now: a hub id's snapshot config (not just ``name@revision``), modeling
 code beside the config (``trust_remote_code``), a decrypted config file's
-content, weights one directory down, and a directory without weights (never
-shared). No longer covered: the revision tag of weights whose content is hashed.
+content, weights one directory down, a directory without weights (never
+shared), and multimodal processor configs. No longer covered: the revision tag
+of weights whose content is hashed, a load format's spelling (``auto`` is the
+files it reads) and ``--dtype auto`` (the dtype it resolves to, where the config
+alone decides it). Chat templates stay out (they only change token ids).
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from types import SimpleNamespace
 
@@ -114,3 +118,107 @@ def test_a_directory_without_weights_is_never_shared(tmp_path):
     empty.mkdir()
     fp = model_identity.weights_fingerprint
     assert fp(str(empty), "", "auto") != fp(str(empty), "", "auto")
+
+
+# ---- spelled differently, selecting the same: one digest ---------------------------
+
+
+def test_load_format_auto_and_the_safetensors_it_reads_keep_the_digest(model_dir):
+    """``auto`` over a safetensors checkpoint reads exactly what ``safetensors``
+    and ``fastsafetensors`` read; ``pt`` reads other files."""
+    auto = _digest(_args(model_dir, load_format="auto"))
+    assert _digest(_args(model_dir, load_format="safetensors")) == auto
+    assert _digest(_args(model_dir, load_format="fastsafetensors")) == auto
+    assert _digest(_args(model_dir, load_format="pt")) != auto
+
+
+def test_load_format_auto_over_bin_files_is_what_npcache_reads(model_dir):
+    (model_dir / "model.safetensors").rename(model_dir / "pytorch_model.bin")
+    auto = _digest(_args(model_dir, load_format="auto"))
+    assert _digest(_args(model_dir, load_format="npcache")) == auto
+    assert _digest(_args(model_dir, load_format="safetensors")) != auto
+
+
+def _set_config(model_dir, **fields):
+    config = model_dir / "config.json"
+    data = json.loads(config.read_text())
+    data.pop("dtype", None)
+    data.pop("torch_dtype", None)
+    config.write_text(json.dumps({**data, **fields}))
+
+
+@pytest.mark.parametrize(
+    ("config", "resolved"),
+    [
+        ({"dtype": "bfloat16"}, "bfloat16"),
+        ({"torch_dtype": "float16"}, "float16"),
+        ({"torch_dtype": "float32"}, "float16"),  # SGLang runs float32 as float16
+        ({}, "float16"),  # no dtype given: float32
+        ({"dtype": "float32", "model_type": "gemma2"}, "bfloat16"),
+    ],
+    ids=["bf16", "fp16-torch_dtype", "fp32", "none", "gemma-fp32"],
+)
+def test_dtype_auto_and_the_dtype_it_resolves_to_keep_the_digest(
+    model_dir, config, resolved
+):
+    _set_config(model_dir, **config)
+    auto = _digest(_args(model_dir, dtype="auto"))
+    assert _digest(_args(model_dir, dtype=resolved)) == auto
+    other = "float16" if resolved == "bfloat16" else "bfloat16"
+    assert _digest(_args(model_dir, dtype=other)) != auto
+    assert _digest(_args(model_dir, dtype="float32")) != auto
+
+
+def test_dtype_names_of_one_dtype_keep_the_digest(model_dir):
+    assert _digest(_args(model_dir, dtype="half")) == _digest(
+        _args(model_dir, dtype="float16")
+    )
+    assert _digest(_args(model_dir, dtype="float")) == _digest(
+        _args(model_dir, dtype="float32")
+    )
+
+
+@pytest.mark.parametrize(
+    "case", ["sub-model config", "dtype override"], ids=["multimodal", "override"]
+)
+def test_dtype_auto_stays_apart_where_the_config_alone_does_not_decide(model_dir, case):
+    """A sub-model config (SGLang reads the text model's dtype) or an override of
+    the dtype: ``auto`` is not equated with any dtype."""
+    kw = {}
+    if case == "sub-model config":
+        _set_config(model_dir, dtype="bfloat16", text_config={"model_type": "llama"})
+    else:
+        kw["json_model_override_args"] = '{"torch_dtype": "float16"}'
+    auto = _digest(_args(model_dir, dtype="auto", **kw))
+    for dtype in ("bfloat16", "float16", "float32"):
+        assert _digest(_args(model_dir, dtype=dtype, **kw)) != auto
+
+
+# ---- multimodal processor configs: covered; chat templates: not -------------------
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "preprocessor_config.json",
+        "processor_config.json",
+        "video_preprocessor_config.json",
+    ],
+)
+def test_a_multimodal_processor_config_is_covered(model_dir, name):
+    """Image and video preprocessing decide the embeddings an image's KV is
+    computed from, under the same token ids."""
+    processor = model_dir / name
+    processor.write_text('{"image_mean": [0.5, 0.5, 0.5]}')
+    before = _digest(_args(model_dir))
+    processor.write_text('{"image_mean": [0.48, 0.46, 0.41]}')
+    assert _digest(_args(model_dir)) != before
+
+
+def test_a_chat_template_is_not_covered(model_dir):
+    """A template changes which token ids a request has; the page hashes cover
+    those, so identical workers with other templates still share."""
+    before = _digest(_args(model_dir))
+    (model_dir / "chat_template.jinja").write_text("{{ messages }}")
+    (model_dir / "chat_template.json").write_text('{"chat_template": "x"}')
+    assert _digest(_args(model_dir)) == before

@@ -4,17 +4,25 @@ Two workers may share a page only when the page's KV bytes would be the same on
 both. :func:`model_identity` reads what decides those bytes from the server
 arguments: the checkpoint's *content* (not its path), the model config, the
 revision, the draft model, and the settings that change the KV (weight
-quantization, config overrides, KV scales, dtypes, the load format). Geometry
-(KV dtype, page size, spans, shard) is added by ``PageLayout``.
+quantization, config overrides, KV scales, dtypes, the load format). Settings are
+compared by what they select, not how they are spelled: ``--dtype auto`` is the
+dtype SGLang resolves from the config (where the config alone decides it), and a
+load format by the weight files it reads (``auto`` over safetensors files is
+``safetensors``). Geometry (KV dtype, page size, spans, shard) is added by
+``PageLayout``.
 
 A local checkpoint directory (or single weight file) is fingerprinted by content:
-``config.json`` and the other small config files in full; for every top-level
-weight file its name, size, and the SHA-256 of its bytes (the name a Hugging Face
-cache blob already carries, else hashed once and cached by file identity). A hub
-id is resolved to the local snapshot SGLang loaded (never downloaded); when none
-is found, or the load format does not read the files (remote instances, IPC,
-caches), the worker gets a version no other worker has. ``--load-format dummy``
-weights are random: their fingerprint is the load format, never the files.
+``config.json``, the quantization and multimodal processor configs (image and
+video preprocessing decide the embeddings an image's KV is computed from) and
+``trust_remote_code`` modeling code in full; for every top-level weight file its
+name, size, and the SHA-256 of its bytes (the name a Hugging Face cache blob
+already carries, else hashed once and cached across starts by
+``weight_hash_cache``). A hub id is resolved to the local snapshot SGLang loaded
+(never downloaded); when none is found, or the load format does not read the
+files (remote instances, IPC, caches), the worker gets a version no other worker
+has. ``--load-format dummy`` weights are random: their fingerprint is the load
+format, never the files. Tokenizer files and chat templates are left out: they
+decide which token ids a request has, and pages are keyed by those ids already.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from sglang.srt.mem_cache.storage.kvcr.layout import weight_hash_cache
+
 logger = logging.getLogger(__name__)
 
 # Small files read in full: what the model runs under, and how weights are split.
@@ -37,10 +47,12 @@ _EXTRA_CONFIG_FILES = (
     "quantize_config.json",
     "quant_config.json",
     "params.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
 )
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".msgpack")
 _INDEX_SUFFIX = ".index.json"
-_READ_BYTES = 8 << 20
 # Load formats that read the checkpoint's files (their content is the weights).
 FILE_LOAD_FORMATS = frozenset(
     {
@@ -59,14 +71,12 @@ FILE_LOAD_FORMATS = frozenset(
 _SHA256_NAME = re.compile(r"[0-9a-f]{64}")
 # Server arguments that change KV bytes (beyond the pool geometry), hashed by value.
 _SETTINGS = (
-    "dtype",
     "kv_cache_dtype",
     "quantization",
     "modelopt_quant",
     "modelopt_checkpoint_restore_path",
     "rl_quant_profile",
     "speculative_draft_model_revision",
-    "speculative_draft_load_format",
     "speculative_draft_model_quantization",
     "context_length",  # an override may rescale RoPE
 )
@@ -94,72 +104,7 @@ def _file_fingerprint(path: Path) -> str:
     target = path.resolve()
     if path.is_symlink() and _SHA256_NAME.fullmatch(target.name):
         return f"{size}:sha256:{target.name}"  # an HF cache blob: named by content
-    return f"{size}:sha256:{_full_sha256(target)}"
-
-
-def _full_sha256(path: Path) -> str:
-    st = path.stat()
-    key = f"{path}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}"
-    cache = _hash_cache()
-    if key in cache:
-        return cache[key]
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_READ_BYTES):
-            h.update(chunk)
-    cache[key] = digest = h.hexdigest()
-    _save_hash_cache(cache)
-    return digest
-
-
-def _hash_cache_path() -> Path:
-    root = os.environ.get("SGLANG_KVCR_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "sglang-kvcr"
-    )
-    return Path(root) / "weight_sha256.json"
-
-
-def _hash_cache() -> dict[str, str]:
-    """The cached weight hashes, when only this user can have written them: a
-    file another user (or anyone, through the mode of it or its directory) could
-    write would let them forge the identity; then every file is hashed again."""
-    path = _hash_cache_path()
-    try:
-        if not (_private(path) and _private(path.parent)):
-            if str(path) not in _DISTRUSTED:
-                _DISTRUSTED.add(str(path))
-                logger.warning(
-                    "KVCR: ignoring weight-hash cache %s: not owned by this user "
-                    "or writable by others (chmod go-w, or set "
-                    "SGLANG_KVCR_CACHE_DIR)",
-                    path,
-                )
-            return {}
-        loaded = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return loaded if isinstance(loaded, dict) else {}
-
-
-_DISTRUSTED: set[str] = set()  # caches already warned about
-
-
-def _private(path: Path) -> bool:
-    """Owned by this process's user and writable by no one else."""
-    st = path.stat()
-    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
-
-
-def _save_hash_cache(cache: dict[str, str]) -> None:
-    path = _hash_cache_path()
-    try:  # best effort: a read-only home only costs a re-read next start
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache))
-        tmp.chmod(0o600)  # only this user may write what it trusts next start
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    return f"{size}:sha256:{weight_hash_cache.full_sha256(target)}"
 
 
 def _hub_snapshot(repo_id: str, revision: str) -> Path | None:
@@ -176,6 +121,15 @@ def _hub_snapshot(repo_id: str, revision: str) -> Path | None:
     return Path(local) if local and Path(local).is_dir() else None
 
 
+def _checkpoint_path(model_path: str, revision: str) -> Path | None:
+    """The local files SGLang reads for ``model_path``: the path itself, or a hub
+    id's local snapshot; None when there is neither."""
+    path = Path(os.path.expanduser(model_path)) if model_path else None
+    if path is not None and not path.exists():
+        path = _hub_snapshot(model_path, revision)  # the files SGLang read
+    return path
+
+
 def weights_fingerprint(model_path: str, revision: str, load_format: str) -> str:
     """What the weights loaded from ``model_path`` with ``load_format`` are."""
     if load_format == "dummy":
@@ -184,9 +138,7 @@ def weights_fingerprint(model_path: str, revision: str, load_format: str) -> str
         # Weights from another process, a remote instance or a cache: nothing
         # here says what they are, so this worker shares with no other.
         return f"{load_format}:{new_weights_version()}"
-    path = Path(os.path.expanduser(model_path)) if model_path else None
-    if path is not None and not path.exists():
-        path = _hub_snapshot(model_path, revision)  # the files SGLang read
+    path = _checkpoint_path(model_path, revision)
     if path is None:
         return f"unknown:{new_weights_version()}"  # never guess from a name
     if path.is_file():
@@ -216,9 +168,7 @@ def config_fingerprint(model_path: str, revision: str) -> str:
     """The model config, quantization config files and modeling code
     (``trust_remote_code``'s ``*.py``) under ``model_path``, or in the local
     Hugging Face snapshot of a hub id."""
-    path = Path(os.path.expanduser(model_path)) if model_path else None
-    if path is not None and not path.exists():
-        path = _hub_snapshot(model_path, revision)  # the files SGLang read
+    path = _checkpoint_path(model_path, revision)
     if path is None or not path.is_dir():
         return f"path:{model_path}@{revision}"
     code = sorted(p.name for p in path.glob("*.py") if p.is_file())
@@ -250,9 +200,83 @@ def _file_or_text(value: Any) -> str:
     return text
 
 
+# SGLang's dtype names (``--dtype``, a config's ``dtype``/``torch_dtype``).
+_DTYPES = {
+    "half": "float16",
+    "float16": "float16",
+    "float": "float32",
+    "float32": "float32",
+    "bfloat16": "bfloat16",
+}
+# Keys of a config override that can change the dtype ``auto`` resolves to.
+_DTYPE_KEYS = frozenset({"dtype", "torch_dtype", "model_type", "text_config"})
+
+
+def model_dtype(server_args: Any) -> str:
+    """``--dtype`` as the dtype the model runs in. ``auto`` is resolved as SGLang
+    resolves it (the config's dtype; float32, or none given, runs as float16, or
+    bfloat16 for Gemma) where ``config.json`` alone decides it; it stays ``auto``
+    for a config with sub-model configs (multimodal: SGLang reads the text
+    model's), an override touching the dtype, or an unusual dtype."""
+    dtype = _text(getattr(server_args, "dtype", None)).lower() or "auto"
+    if dtype != "auto":
+        return _DTYPES.get(dtype, dtype)
+    try:
+        overrides = json.loads(
+            _overrides(getattr(server_args, "json_model_override_args", None)) or "{}"
+        )
+    except ValueError:
+        return dtype
+    if not isinstance(overrides, dict) or not _DTYPE_KEYS.isdisjoint(overrides):
+        return dtype
+    path = _checkpoint_path(
+        _text(getattr(server_args, "model_path", None)),
+        _text(getattr(server_args, "revision", None)),
+    )
+    try:
+        config = json.loads((path / "config.json").read_text()) if path else None
+    except (OSError, ValueError):
+        return dtype
+    if not isinstance(config, dict) or any(
+        isinstance(v, dict) and "model_type" in v for v in config.values()
+    ):
+        return dtype
+    named = config.get("dtype") or config.get("torch_dtype") or "float32"
+    resolved = _DTYPES.get(named) if isinstance(named, str) else None
+    if resolved == "float32":
+        gemma = _text(config.get("model_type")).startswith("gemma")
+        return "bfloat16" if gemma else "float16"
+    return resolved or dtype
+
+
+# Load formats of SGLang's default loader by the weight files they read: the
+# same files read by either gives the same weights.
+_READS = {
+    "safetensors": "safetensors",
+    "fastsafetensors": "safetensors",
+    "npcache": "bin",  # the .bin files (cached as numpy)
+}
+
+
+def files_read(load_format: str, model_path: str, revision: str) -> str:
+    """``load_format`` as the weight files it reads: ``auto`` reads a
+    checkpoint's ``*.safetensors`` when it has any, else its ``*.bin``."""
+    load_format = load_format or "auto"
+    if load_format != "auto":
+        return _READS.get(load_format, load_format)
+    path = _checkpoint_path(model_path, revision)
+    if path is None or not path.is_dir():
+        return load_format
+    for pattern, reads in (("*.safetensors", "safetensors"), ("*.bin", "bin")):
+        if any(p.is_file() for p in path.glob(pattern)):
+            return reads
+    return load_format
+
+
 def model_settings(server_args: Any) -> tuple[tuple[str, str], ...]:
     """Server arguments that change KV bytes, as sorted ``(name, value)`` pairs."""
     values = {name: _text(getattr(server_args, name, None)) for name in _SETTINGS}
+    values["dtype"] = model_dtype(server_args)
     values["json_model_override_args"] = _overrides(
         getattr(server_args, "json_model_override_args", None)
     )
@@ -261,7 +285,17 @@ def model_settings(server_args: Any) -> tuple[tuple[str, str], ...]:
     )
     for name in _CONFIG_FILE_SETTINGS:
         values[name] = _file_or_text(getattr(server_args, name, None))
-    values["load_format"] = _text(getattr(server_args, "load_format", None)) or "auto"
+    values["load_format"] = files_read(
+        _text(getattr(server_args, "load_format", None)),
+        _text(getattr(server_args, "model_path", None)),
+        _text(getattr(server_args, "revision", None)),
+    )
+    draft_format = _text(getattr(server_args, "speculative_draft_load_format", None))
+    values["speculative_draft_load_format"] = draft_format and files_read(
+        draft_format,
+        _text(getattr(server_args, "speculative_draft_model_path", None)),
+        _text(getattr(server_args, "speculative_draft_model_revision", None)),
+    )
     values["lora_adapters"] = lora_identity(getattr(server_args, "lora_paths", None))
     return tuple(sorted(values.items()))
 
