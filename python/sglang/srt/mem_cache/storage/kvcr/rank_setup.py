@@ -147,7 +147,10 @@ def build_resources(
     memory = HostMemory(pin=device.is_cuda)
     try:
         dram = KVCRDram(memory, plan, cfg.max_quarantined_cores)
-        span = SpanRestore(device.device, memory) if device.is_cuda else None
+        span = None
+        if device.is_cuda:  # sized now: no page outgrows it while restoring
+            sizes = [(len(p.tensors), p.page_bytes) for p in layout.pools]
+            span = SpanRestore(device.device, memory, SpanRestore.scratch_for(sizes))
         staging = None
         path = cfg.offload_path
         if path == "staged" or (path == "auto" and device.is_cuda):

@@ -13,12 +13,16 @@ ordering cannot be produced without a GPU.
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
 
+from cpu_harness.fresh_process import run_isolated
 from cpu_harness.kvcr_pages import (
     LAYERS,
     PAGE,
@@ -135,10 +139,40 @@ def test_restore_waits_for_the_batch_still_writing_freed_pages(monkeypatch):
     assert _restore_under_a_busy_forward(True, monkeypatch) == 0
 
 
+# What an unfenced restore may raise besides landing wrong bytes: stale indices
+# make index_copy_ assert on the device, or the CUDA sanitizer reports the race.
+RACE_FAULT = re.compile(
+    r"CUDA error|device-side assert|AcceleratorError|data race|CSAN"
+)
+
+
+def _unfenced_restore() -> dict[str, Any]:
+    """The negative control's body, in a process of its own (``run_isolated``):
+    wrong bytes counted, or the fault the race caused, with the CUDA context's
+    state after it (a device-side assert is sticky and poisons the process)."""
+    with pytest.MonkeyPatch.context() as mp:
+        try:
+            return {"wrong": _restore_under_a_busy_forward(False, mp), "fault": ""}
+        except Exception as exc:
+            fault = f"{type(exc).__name__}: {exc}".splitlines()[0][:400]
+    try:
+        torch.cuda.synchronize()
+        context = "usable"
+    except Exception as exc:
+        context = f"{type(exc).__name__}: {exc}".splitlines()[0][:400]
+    return {"wrong": 0, "fault": fault, "context": context}
+
+
 @pytest.mark.gpu
-def test_restore_without_fences_is_overwritten_negative_control(monkeypatch):
-    """The same race with the fences removed goes wrong: the test above can fail."""
-    assert _restore_under_a_busy_forward(False, monkeypatch) > 0
+def test_restore_without_fences_is_overwritten_negative_control():
+    """The same race with the fences removed goes wrong: the test above can fail.
+    Run in a fresh process: stale indices can raise a sticky device-side assert,
+    which would error every CUDA test after this one in a shared process."""
+    out = run_isolated(_unfenced_restore, timeout_s=240, name="kvcr-unfenced")
+    raced = out["wrong"] > 0 or RACE_FAULT.search(
+        f"{out['fault']} {out.get('context', '')}"
+    )
+    assert raced, out
 
 
 @pytest.mark.gpu
@@ -270,6 +304,25 @@ class _Recorder:
         return [entry[1] for entry in self.log if entry[0] == thread]
 
 
+def _unfence_for_good() -> bool:
+    """What the negative control does to its process, never undone: the fences
+    gone (and on CUDA, possibly a sticky device-side assert)."""
+    DeviceBinding.record_fences = lambda self, forward: ()  # type: ignore[method-assign]
+    return DeviceBinding.of("cpu").record_fences(None) == ()
+
+
+def test_the_negative_control_runs_in_a_process_of_its_own():
+    """``run_isolated`` (how the negative control runs): what the child breaks
+    stays in the child, its result comes back, and a child that dies fails the
+    calling test with a report instead of taking the test process with it."""
+    real = DeviceBinding.record_fences
+    assert run_isolated(_unfence_for_good, timeout_s=120) is True
+    assert DeviceBinding.record_fences is real  # this process still fences
+    with pytest.raises(pytest.fail.Exception, match="exited with code -6"):
+        run_isolated(os.abort, timeout_s=120)
+    assert DeviceBinding.of("cpu").record_fences(None) == ()  # CPU: no fences
+
+
 def test_stager_binds_the_pools_device_and_drains_before_depositing(monkeypatch):
     """The stager thread sets the captured device before creating its stream on
     it, orders its stream after the offload-ready events, and submits the deposit
@@ -391,6 +444,53 @@ def test_loader_binds_the_device_waits_its_fences_and_drains_first(monkeypatch, 
             assert ok is True
             assert kinds[3:] == ["copy", "drain"] + ["complete"] * LAYERS
             assert wrong_bytes(pool, dest, originals) == 0
+    finally:
+        lk.restorer._device = cpu_binding
+        lk.close()
+
+
+def test_loader_releases_an_outgrown_scratch_only_after_draining(monkeypatch):
+    """A restore whose pages outgrow the device scratch replaces it on the loader
+    stream; the loader drains the stream first and only then lets the old block
+    go (``SpanRestore.drained``), so no copy still queued reads freed memory."""
+    pool = make_pool("cpu")
+    lk = make_linker(pool)
+    rec = _Recorder()
+    cpu_binding = lk.restorer._device
+    try:
+        src, dest = [1, 2], [11, 12]
+        fill_random(pool, src, seed=4)
+        originals = [page_bytes(pool, p) for p in src]
+        hashes = hashes_for(2, "outgrown")
+        assert offload_and_commit(lk, hashes, src, "cpu") is True
+        prepare(lk, "o", hashes)
+        assert lk.load("o", kv_transfer(hashes, dest)) is True
+        lk.restorer.jobs.put(None)
+        lk.restorer.thread.join(5)
+        rec.install(monkeypatch)
+        lk.restorer._device = DeviceBinding(torch.device("cuda", 1))
+        # A scratch smaller than one page's parts: the first copy outgrows it.
+        lk.restorer.span_restore = span = SpanRestore(
+            torch.device("cpu"), scratch_bytes=8
+        )
+        real_drained = span.drained
+        monkeypatch.setattr(
+            span,
+            "drained",
+            lambda: (rec.add("drained", len(span._retired)), real_drained())[1],
+        )
+        loader = lk.restorer.loader_main
+        lk.restorer.thread = threading.Thread(target=loader, name="kvcr-loader-o")
+        lk.restorer.thread.start()
+        monkeypatch.setattr(DeviceBinding, "record_fences", lambda self, fwd: ())
+        index = lk.start_layer_wise_loading()
+        assert lk.finish_layer_wise_loading(index) is True
+        kinds = rec.kinds("kvcr-loader-o")
+        assert kinds[kinds.index("drain") :][:2] == ["drain", "drained"]
+        held = next(e[2] for e in rec.log if e[1] == "drained")
+        assert held >= 1  # the outgrown block was alive through the drain
+        assert span._retired == []  # and released after it
+        assert wrong_bytes(pool, dest, originals) == 0
     finally:
         lk.restorer._device = cpu_binding
         lk.close()

@@ -159,3 +159,51 @@ def test_span_restore_matches_row_copies(row_bytes, source) -> None:
     else:
         assert span.gathered_pages == 0
         assert span.span_copies >= pages // 3  # chunked through the small scratch
+
+
+def _spread_parts(parts: int, pages: int) -> list[tuple[int, ...]]:
+    """Slots whose parts lie two rows apart: each page's span (2 * parts - 1
+    rows) outgrows a scratch of ``parts`` rows, yet stays a dense span copy."""
+    return [tuple(40 * o + 2 * p for p in range(parts)) for o in range(pages)]
+
+
+def test_outgrown_device_scratch_stays_alive_until_the_stream_drained() -> None:
+    """A page part larger than the scratch replaces it from the loader stream,
+    whose queued copies may still read the old block: the old block stays
+    referenced until ``drained`` (on CUDA the caching allocator would otherwise
+    hand it to the stream it came from while the loader stream reads it)."""
+    import weakref
+
+    from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import SpanRestore
+
+    parts, pages, row = 4, 3, 64
+    slots = _spread_parts(parts, pages)
+    store = torch.randint(0, 256, (40 * pages, row), dtype=torch.uint8)
+    dsts = [torch.zeros(8, row, dtype=torch.uint8) for _ in range(parts)]
+    dest = [5, 1, 6]
+    expected = [_reference(d, dest, store, slots, p) for p, d in enumerate(dsts)]
+    span = SpanRestore(torch.device("cpu"), scratch_bytes=parts * row)
+    first = weakref.ref(span._scratch)
+    span.copy_pool(dsts, torch.tensor(dest), store, slots)
+    assert all(torch.equal(g, w) for g, w in zip(dsts, expected, strict=True))
+    assert span._scratch.numel() == (2 * parts - 1) * row  # it grew once
+    assert first() is not None and first() in span._retired  # still referenced
+    span.drained()
+    assert first() is None and span._retired == []  # released once drained
+
+
+def test_scratch_sized_for_the_largest_page_never_grows() -> None:
+    """``scratch_for`` (what the rank's restorer is built with) covers a span of
+    two pages' parts of the largest pool: the growth above never happens."""
+    from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import SpanRestore
+
+    parts, pages, row = 4, 3, 64
+    assert SpanRestore.scratch_for([(2, 8), (parts, 64 << 20)]) == 2 * 4 * (64 << 20)
+    assert SpanRestore.scratch_for([(parts, row)]) == SpanRestore.SCRATCH_BYTES
+    store = torch.randint(0, 256, (40 * pages, row), dtype=torch.uint8)
+    dsts = [torch.zeros(8, row, dtype=torch.uint8) for _ in range(parts)]
+    # The rule at this row size (the 32 MiB floor would hide a wrong rule).
+    span = SpanRestore(torch.device("cpu"), scratch_bytes=2 * parts * row)
+    scratch = span._scratch
+    span.copy_pool(dsts, torch.tensor([5, 1, 6]), store, _spread_parts(parts, pages))
+    assert span._scratch is scratch and span._retired == []

@@ -14,7 +14,11 @@ same order whatever its physical slots; a started batch moves one broadcast per
 layer (its pools' parts concatenated, in chunks): the owner gathers its restored
 rows, followers scatter them into theirs. The owner broadcasts even after a failed
 or late copy, so followers never wait on it; its verdict then fails the batch and
-the integration's MIN reduction aborts the requests on every rank.
+the integration's MIN reduction aborts the requests on every rank. The group is
+warmed when it is built (``warm_group``): one probe broadcast creates the NCCL
+communicator at startup, and every rank's outcome is MIN-reduced over the
+attention group's gloo group, so a group that fails on one rank stops the start
+on every rank instead of leaving the others an unmatched broadcast while serving.
 """
 
 from __future__ import annotations
@@ -27,10 +31,12 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolTransfer
 
+from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRUnavailableError
 from sglang.srt.mem_cache.storage.kvcr.datapath.restore import loadable_sources
 from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import wide_rows
 from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
     DeviceBinding,
+    wait_event,
     wait_fences,
 )
 from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import PageLayout
@@ -40,6 +46,15 @@ logger = logging.getLogger(__name__)
 
 # Bytes one broadcast moves at most (a layer of a large batch goes in chunks).
 CHUNK_BYTES = 64 << 20
+# The start-up probe: the byte the owner sends, and how long its broadcast may
+# take on the device (NCCL creates the communicator in it).
+PROBE_BYTE = 0xA5
+WARMUP_TIMEOUT_S = 120.0
+
+
+class ReplicaGroupError(KVCRUnavailableError):
+    """The replica broadcast group failed its start-up probe on some rank (raised
+    on every rank of the attention group, at build)."""
 
 
 def stores_once(layout: PageLayout, shard_size: int) -> bool:
@@ -75,16 +90,70 @@ def dest_rows_of(layout: PageLayout, page_size: int) -> dict[str, list[torch.Ten
 
 
 def broadcast_group(params: Any, layout: PageLayout) -> tuple[Any, int]:
-    """(group, the owner's global rank) for the broadcast: the attention group
-    the cache reduces over for CPU pools, an NCCL group over its ranks for CUDA
-    pools (collective: every rank of the world builds it at the same point)."""
+    """(group, the owner's global rank) for the broadcast, warmed: the attention
+    group the cache reduces over for CPU pools, an NCCL group over its ranks for
+    CUDA pools (collective: every rank of the world builds it at the same point).
+    ``ReplicaGroupError`` on every rank when the probe failed on any."""
     base = getattr(params, "attn_tp_cache_group", None) or params.tp_cache_group
     ranks = list(torch.distributed.get_process_group_ranks(base))
-    if layout.pools[0].tensors[0].device.type != "cuda":
-        return base, ranks[0]
-    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
+    device = DeviceBinding.of(layout.pools[0].tensors[0].device)
+    group = base
+    if device.is_cuda:
+        from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
 
-    return integration.nccl_group_over(base), ranks[0]
+        group = integration.nccl_group_over(base)
+    warm_group(group, ranks[0], device, agree_over=base)
+    return group, ranks[0]
+
+
+def warm_group(
+    group: Any,
+    src: int,
+    device: DeviceBinding,
+    *,
+    agree_over: Any,
+    timeout_s: float = WARMUP_TIMEOUT_S,
+) -> None:
+    """Broadcast one probe byte from global rank ``src`` over ``group`` (NCCL
+    creates its communicator now, not in the first restore), then MIN-reduce
+    every rank's outcome over ``agree_over`` (a CPU group): a probe that raised,
+    stalled past ``timeout_s`` on the device or delivered another byte on any
+    rank raises ``ReplicaGroupError`` on all of them."""
+    ok = _probe(group, src, device, timeout_s)
+    votes = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    torch.distributed.all_reduce(
+        votes, op=torch.distributed.ReduceOp.MIN, group=agree_over
+    )
+    if int(votes.item()) != 1:
+        raise ReplicaGroupError(
+            "the KVCR replica broadcast group failed its start-up probe on "
+            f"{'this rank' if not ok else 'another rank'} of the attention group"
+        )
+    logger.info("KVCR replica broadcast group warmed (owner: global rank %d)", src)
+
+
+def _probe(group: Any, src: int, device: DeviceBinding, timeout_s: float) -> bool:
+    """This rank's half of the probe broadcast; False when it went wrong."""
+    try:
+        is_src = torch.distributed.get_rank() == src
+        probe = torch.full(
+            (1,), PROBE_BYTE if is_src else 0, dtype=torch.uint8, device=device.device
+        )
+        torch.distributed.broadcast(probe, src=src, group=group)
+        if device.is_cuda:  # host-read only once the device is past it
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(device.device))
+            wait_event(done, timeout_s)
+        got = int(probe.item())
+    except Exception:
+        logger.exception("KVCR replica broadcast probe failed on this rank")
+        return False
+    if got != PROBE_BYTE:
+        logger.error(
+            "KVCR replica broadcast probe delivered %#x, not %#x", got, PROBE_BYTE
+        )
+        return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -377,6 +377,7 @@ class Restorer:
                 )
                 self.span_restore.copy_pool(targets, dest, store, slots)
             drain(stream)
+            self.span_restore.drained()
             for layer in range(self.layout.num_layers):
                 self.counter.complete(index, layer)
             return

@@ -132,7 +132,15 @@ class SpanRestore:
     queued on the caller's current stream and reuses the device scratch in stream
     order; the host scratch is rewritten only after the copy reading it has
     finished. The caller drains the stream before the claims or the destination
-    slots are given back. With a CPU device the same steps run synchronously.
+    slots are given back, and then calls ``drained``. With a CPU device the same
+    steps run synchronously.
+
+    The device scratch is sized at startup for the largest page (``scratch_for``);
+    should a page part still outgrow it, the replacement is made on the caller's
+    stream while copies queued there may still read the old block, so the old
+    block stays referenced (``_retired``) until ``drained``: freed earlier, the
+    caching allocator would hand it to the stream it was allocated on (the
+    scheduler's) while the loader stream still reads it.
     """
 
     SCRATCH_BYTES = 32 << 20
@@ -148,15 +156,29 @@ class SpanRestore:
         self._memory = memory or HostMemory(pin=False)
         # Allocated up front so a GPU host fails at startup, not mid-restore.
         self._scratch = torch.empty(scratch_bytes, dtype=torch.uint8, device=device)
+        self._retired: list[torch.Tensor] = []  # outgrown scratch, until drained
         self._host: torch.Tensor | None = None
         self._host_busy: Any = None  # event after the last copy out of _host
         self.gathered_pages = 0  # pages that went through the host gather
         self.span_copies = 0  # host-to-device span copies
 
+    @staticmethod
+    def scratch_for(pools: Sequence[tuple[int, int]]) -> int:
+        """Device scratch bytes that no copy outgrows, for pools given as (parts,
+        part bytes of one page): a run's span is at most two pages' parts."""
+        largest = max((2 * parts * nbytes for parts, nbytes in pools), default=0)
+        return max(SpanRestore.SCRATCH_BYTES, largest)
+
     def _device_buffer(self, nbytes: int) -> torch.Tensor:
         if self._scratch.numel() < nbytes:
+            # Queued copies may still read the old block: keep it until drained.
+            self._retired.append(self._scratch)
             self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._scratch[:nbytes]
+
+    def drained(self) -> None:
+        """The caller's stream has drained: outgrown scratch blocks may go."""
+        self._retired.clear()
 
     def _host_buffer(self, nbytes: int) -> torch.Tensor:
         if self._host_busy is not None:  # the previous chunk's copy still reads it
@@ -170,6 +192,7 @@ class SpanRestore:
 
     def close(self) -> None:
         """Unlock the host scratch (the caller has drained the stream)."""
+        self.drained()
         if self._host is not None:
             self._memory.release(self._host)
             self._host = None
