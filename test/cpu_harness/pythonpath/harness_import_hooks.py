@@ -10,9 +10,11 @@ CPU attention for MLA and SWA) are the two hooks.
 ``start_up``: the whole body of both ``sitecustomize`` files, this directory's (CPU
 runs) and ``../gpu_pythonpath``'s (``gpu_check.sh`` on a CUDA host). When one of its
 flags is set it installs the ``sgl_kernel`` hook, and the SGLang CPU patches too
-where asked; then, because a ``sitecustomize`` on ``PYTHONPATH`` hides any other
-one, it runs the next ``sitecustomize`` further along ``sys.path``, skipping the
-shims' own directories (so each shim runs at most once).
+where asked; with ``KVCR_TEST_FAULTS_DIR`` set (fault-injection tests only) it
+installs ``kvcr_fault_hook`` as well; then, because a ``sitecustomize`` on
+``PYTHONPATH`` hides any other one, it runs the next ``sitecustomize`` further
+along ``sys.path``, skipping the shims' own directories (so each shim runs at
+most once).
 
 Stdlib only, no torch: it runs at the start of every process.
 """
@@ -29,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 HARNESS_DIR = os.path.dirname(os.path.abspath(__file__))
+FAULTS_ENV = "KVCR_TEST_FAULTS_DIR"  # kvcr_fault_hook's switch (tests only)
 
 
 class _HookedLoader(importlib.abc.Loader):
@@ -131,6 +134,16 @@ def install_hooks(*, cpu_patches: bool) -> None:
     sgl_kernel_cpu_hook.install()
 
 
+def install_fault_hook() -> None:
+    """Tests only (``FAULTS_ENV`` names the directory a test arms faults in): the
+    KVCR fault hook (``kvcr_fault_hook``)."""
+    if HARNESS_DIR not in {os.path.abspath(p or os.curdir) for p in sys.path}:
+        sys.path.append(HARNESS_DIR)
+    import kvcr_fault_hook
+
+    kvcr_fault_hook.install()
+
+
 def chain_next_sitecustomize(skip_dirs: Iterable[str]) -> None:
     """Run the first ``sitecustomize`` on ``sys.path`` outside ``skip_dirs``."""
     skip = {os.path.abspath(d) for d in skip_dirs}
@@ -156,4 +169,6 @@ def start_up(
     ``sitecustomize`` outside the shim's directory and ``skip_dirs``."""
     if flag_set(flags, true):
         install_hooks(cpu_patches=cpu_patches)
+    if os.environ.get(FAULTS_ENV):
+        install_fault_hook()
     chain_next_sitecustomize([os.path.dirname(os.path.abspath(shim_file)), *skip_dirs])

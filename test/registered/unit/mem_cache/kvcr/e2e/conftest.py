@@ -1,7 +1,8 @@
 """End to end: real ``sglang.launch_server`` processes on CPU with the KVCR linker
 (``server`` marker; slow), and the demo driver: local round trips, hinted peer
 reuse, model families, the digest between workers, metrics, KV-event hints, the
-example router, and bad configs refused at launch.
+example router, bad configs refused at launch, and faults injected into a serving
+worker (``kvcr_fault_hook``) that must leave it answering.
 
 ``tiny_model``: the tiny random-weight Llama the servers here serve, built once.
 """
