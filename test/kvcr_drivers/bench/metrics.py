@@ -44,21 +44,21 @@ TRANSFER_PAGES = (47, 256)  # a 3000-token prompt at page 64, and a long context
 
 # The issue's CPU targets (ratios measured side by side in this run).
 TARGETS: dict[str, Target | None] = {
-    "zero_hit_ttft_ratio": Target("ratio", "<=", 1.05),
-    "restore_copy_vs_torch_copy": Target("ratio", ">=", 0.8),
+    "zero_hit_ttft_ratio": Target("ratio", "<=", 1.02),  # issue 23 (was 1.05)
+    "restore_copy_vs_torch_copy": Target("ratio", ">=", 0.9),  # issue 23 (was 0.8)
     "offload_vs_nixl_loopback": Target("ratio", ">=", 0.7),
     "zero_hit_prepare_us_p50": Target("value", "<=", 100.0),
     "zero_hit_owner_commands": Target("value", "==", 0),
-    # Off the critical path (prepared at enqueue) and replacing a whole prefill;
-    # dominated by KVCR's own fetch of 47 blocks of 56 parts (Python per part).
-    "hit_prepare_us_p50": Target("value", "<=", 10000.0),
+    # Issue 23: a local hit prepared within 1 ms (47 pages). KVCR's own fetch of
+    # 47 blocks of 56 parts (Python per part) still dominates it.
+    "hit_prepare_us_p50": Target("value", "<=", 1000.0),
     "hint_prepare_us_p50": None,  # informational: bound by the peer transfer
     "hook_overhead_us_p50": Target("value", "<=", 150.0),
     "linker_idle_cpu_pct": None,  # informational: background cost of an idle linker
     # Foreground decode ITL under write-through load, kvcr over none (serving).
     "decode_itl_p50_ratio": None,
     "decode_itl_p99_ratio": Target("ratio", "<=", 1.1),
-    # The CUDA targets (issue 11); on cpu the same figures are informational.
+    # The CUDA targets (issue 11); on cpu CPU_TRANSFER_TARGETS apply instead.
     **{
         f"restore_vs_pinned_h2d_{n}p": Target("ratio", ">=", 0.8)
         for n in TRANSFER_PAGES
@@ -67,6 +67,14 @@ TARGETS: dict[str, Target | None] = {
         f"offload_vs_pinned_d2h_{n}p": Target("ratio", ">=", 0.7)
         for n in TRANSFER_PAGES
     },
+}
+
+
+# Issue 23's CPU targets for the transfer section: the one-copy offload against a
+# plain host copy of the same bytes, the restore against a plain copy into the pool.
+CPU_TRANSFER_TARGETS: dict[str, Target] = {
+    **{f"restore_vs_pinned_h2d_{n}p": Target("ratio", ">=", 0.9) for n in TRANSFER_PAGES},
+    **{f"offload_vs_pinned_d2h_{n}p": Target("ratio", ">=", 0.8) for n in TRANSFER_PAGES},
 }
 
 
@@ -182,11 +190,16 @@ def metric(
     ratio: float | None = None,
     error: str | None = None,
     informational: bool = False,
+    target: Target | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
+    """``target`` replaces ``TARGETS[name]`` (a device's own threshold)."""
     if ratio is None and value is not None and baseline:
         ratio = value / baseline
-    target = None if informational else TARGETS.get(name)
+    if target is None:
+        target = TARGETS.get(name)
+    if informational:
+        target = None
     m: dict[str, Any] = {
         "name": name,
         "value": None if value is None else round(value, 4),

@@ -25,7 +25,7 @@ SECTION_NAMES = ("serving", "copy", "prepare", "hint", "hooks", "transfer")
 # Skipped unless --skip says otherwise: on cuda every section but transfer (the
 # others measure CPU pools, CPU-side calls or the tiny CPU model, the same on any
 # host; kvcr_bench.py is the GPU serving bench).
-DEFAULT_TRANSFER = {"cpu": "47", "cuda": "47,256"}
+DEFAULT_TRANSFER = {"cpu": "47,256", "cuda": "47,256"}
 DEFAULT_SKIP = {"cpu": "", "cuda": "serving,copy,prepare,hint,hooks"}
 TRANSFER_KINDS = ("restore_vs_pinned_h2d", "offload_vs_pinned_d2h")
 SECTIONS: tuple[tuple[str, Callable[..., None], tuple[str, ...]], ...] = (

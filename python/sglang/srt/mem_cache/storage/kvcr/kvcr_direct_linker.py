@@ -102,6 +102,7 @@ class KVCRDirectLinker(
         session = None
         try:  # a start-up that fails gives back what it took
             self.dram = res.dram
+            self.copier = res.copier
             self.stats = LinkerStats()
             self.report = StatsReport(
                 self.stats_snapshot,
@@ -130,6 +131,7 @@ class KVCRDirectLinker(
                 self.layout,
                 self.dram,
                 res.framework_regions(self.layout),
+                res.copier,
             )
             self.restorer = Restorer(
                 layout=self.layout,

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.storage.kvcr.config.linker_config import (
         KVCRLinkerConfig,
     )
+    from sglang.srt.mem_cache.storage.kvcr.datapath.dram_copy import DramCopier
     from sglang.srt.mem_cache.storage.kvcr.datapath.offloader import Offloader
     from sglang.srt.mem_cache.storage.kvcr.datapath.restore import Restorer
     from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import PageLayout
@@ -58,6 +59,7 @@ class LinkerLifecycle:
     session: KVCRSession
     restorer: Restorer
     offloader: Offloader
+    copier: DramCopier
     preparations: Preparations
     residency: Residency
     replicas: Any
@@ -116,6 +118,8 @@ class LinkerLifecycle:
         except Exception as exc:  # failed or stuck: its DRAM may not be idle
             logger.error("KVCR close at shutdown was not clean: %s", exc)
             quiet = False
+        # After KVCR: its deposits' copy ops wait for their copies while closing.
+        quiet = self.copier.close(timeout) and quiet
         if quiet:
             self.restorer.close_span()
         self.dram.close(quiet, self.offloader.staging_buffers())

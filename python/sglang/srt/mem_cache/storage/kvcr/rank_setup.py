@@ -23,6 +23,7 @@ from sglang.srt.mem_cache.storage.kvcr.config.startup_checks import (
     refuse_unsupported_topology,
 )
 from sglang.srt.mem_cache.storage.kvcr.datapath.device_pages import page_rows
+from sglang.srt.mem_cache.storage.kvcr.datapath.dram_copy import DramCopier
 from sglang.srt.mem_cache.storage.kvcr.datapath.offload_staging import HostStaging
 from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import SpanRestore
 from sglang.srt.mem_cache.storage.kvcr.device.device_streams import DeviceBinding
@@ -101,6 +102,7 @@ class RankResources:
     span: SpanRestore | None  # on CUDA hosts
     staging: HostStaging | None  # on the staged offload path
     dest_rows: dict[str, list[torch.Tensor]]  # per pool, each part's page rows
+    copier: DramCopier  # fills every deposit's KVCR DRAM slots (one copy)
 
     def framework_regions(self, layout: PageLayout) -> list[RegionDescriptor]:
         """What KVCR copies to and from: the staging area on the staged offload
@@ -117,9 +119,11 @@ class RankResources:
         if self.staging is not None:
             self.staging.close(timeout_s)
         if adapter is None:
+            self.copier.close(timeout_s)
             self.dram.memory.release_all()
         else:
-            self.dram.close(adapter.close(), staging)
+            quiet = adapter.close()  # its copy ops end before the copier stops
+            self.dram.close(self.copier.close(timeout_s) and quiet, staging)
 
 
 def build_resources(
@@ -145,15 +149,14 @@ def build_resources(
         for pool in layout.pools
     }
     memory = HostMemory(pin=device.is_cuda)
+    staging: HostStaging | None = None
     try:
         dram = KVCRDram(memory, plan, cfg.max_quarantined_cores)
         span = None
         if device.is_cuda:  # sized now: no page outgrows it while restoring
             sizes = [(len(p.tensors), p.page_bytes) for p in layout.pools]
             span = SpanRestore(device.device, memory, SpanRestore.scratch_for(sizes))
-        staging = None
-        path = cfg.offload_path
-        if path == "staged" or (path == "auto" and device.is_cuda):
+        if cfg.offload_path == "staged":
             cap = cfg.max_inflight_offload_bytes // layout.page_total
             staging = HostStaging(
                 layout.pools,
@@ -162,10 +165,20 @@ def build_resources(
                 memory=memory,
                 device=device,
             )
+        # What KVCR's deposits read: the staging area's rows, else the pools'.
+        rows = dest_rows if staging is None else staging.part_rows()
+        sources = {
+            label: rows[pool.name][i]
+            for pool in layout.pools
+            for i, label in enumerate(pool.part_labels)
+        }
+        copier = DramCopier(sources, lambda: dram.storage, device)
     except BaseException:
+        if staging is not None:
+            staging.close(cfg.owner_wait_timeout_s)
         memory.release_all()  # nothing has used them yet
         raise
-    return RankResources(dram, span, staging, dest_rows)
+    return RankResources(dram, span, staging, dest_rows, copier)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

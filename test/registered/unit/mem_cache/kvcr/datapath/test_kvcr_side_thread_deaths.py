@@ -10,6 +10,7 @@ forward hangs. Here the binding raises on purpose, on CPU, through the same code
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 
 import pytest
 
@@ -32,7 +33,13 @@ pytestmark = pytest.mark.kvcr
 
 @pytest.fixture
 def lost_device(monkeypatch):
+    """The loader and the stager lose their device (the DRAM copier, which
+    ``test_kvcr_one_copy_offload`` covers, keeps it: offloads still store)."""
+    original = DeviceBinding.bind_thread
+
     def bind_thread(self):
+        if threading.current_thread().name == "kvcr-dram-copy":
+            return original(self)
         raise RuntimeError("CUDA error: device lost (injected)")
 
     monkeypatch.setattr(DeviceBinding, "bind_thread", bind_thread)

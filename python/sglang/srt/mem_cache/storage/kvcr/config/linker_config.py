@@ -179,9 +179,10 @@ class KVCRLinkerConfig:
     offload_path: str = dataclasses.field(
         default="auto",
         metadata=_doc(
-            "How offloads reach KVCR: 'staged' copies pages into a page-locked host "
-            "staging area (max_inflight_offload_bytes of it) and deposits from there; "
-            "'direct' lets KVCR read the pool itself; 'auto' stages GPU pools only."
+            "How offloads reach KVCR DRAM: 'direct' (and 'auto') copies pool pages "
+            "straight into KVCR's slots, one copy; 'staged' first copies them into a "
+            "page-locked staging area (max_inflight_offload_bytes of it), a second "
+            "copy, for hosts where the pools cannot be registered with NIXL."
         ),
     )
     eviction_policy: str = dataclasses.field(

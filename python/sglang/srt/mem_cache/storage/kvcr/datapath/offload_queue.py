@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 # Direct offloads this large go to KVCR as DEPOSIT_PARTS deposits (see
 # split_deposits); smaller ones as one.
 SPLIT_DEPOSIT_BYTES = 64 << 20
-DEPOSIT_PARTS = 2
+DEPOSIT_PARTS = 4
 
 
 class OffloadOutcome(enum.Enum):

@@ -96,6 +96,10 @@ class HostStaging:
                 )
         return regions
 
+    def part_rows(self) -> dict[str, list[torch.Tensor]]:
+        """Per pool, each part's ``(slots, page bytes)`` rows (what deposits read)."""
+        return {name: list(buf.unbind(0)) for name, buf in self.buffers.items()}
+
     def memory_refs(self, agent: str, pool: Any, slot: int) -> list[Any]:
         from kvcr.types import MemoryRef
 

@@ -100,14 +100,24 @@ def wait_event(event: Any, timeout_s: float = _DRAIN_TIMEOUT_S) -> None:
     _poll(event, timeout_s, "a KVCR copy did not complete")
 
 
+# A wait polls at most this long apart for its first _FINE_S (a restore's copy
+# is milliseconds: a 1 ms sleep would add up to 1 ms to it), then at _COARSE_S.
+_FINE_PAUSE_S = 50e-6
+_FINE_S = 0.05
+_COARSE_PAUSE_S = 1e-3
+
+
 def _poll(waitable: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    pause = 20e-6
+    start = time.monotonic()
+    deadline = start + timeout_s
+    pause = 5e-6
     while not waitable.query():
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if now >= deadline:
             raise DeviceStallError(f"{what} within {timeout_s:.0f} s")
+        cap = _FINE_PAUSE_S if now - start < _FINE_S else _COARSE_PAUSE_S
+        pause = min(pause * 2, cap)
         time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
 
 
 def fences_done(fences: Sequence[Any]) -> bool:

@@ -21,6 +21,7 @@ from sglang.srt.mem_cache.storage.kvcr.fleet.control_auth import InboundGuard
 from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import KeyAdapter, PageLayout
 from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_patches
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import Callbacks
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import local_copy
 
 if TYPE_CHECKING:
     from kvcr.types import RegionDescriptor
@@ -113,13 +114,17 @@ def make_kvcr_factory(
     nixl_progress_thread: bool,
     progress_idle_ms: int = 0,
     inbound_guard: Any = None,
+    local_copier: Any = None,
 ) -> Callable[[Callbacks], BuiltKVCR]:
     """A factory that builds the real KVCR on the owner thread; with an
     ``inbound_guard`` (``control_auth.InboundGuard``) its control channel checks
-    who connects."""
+    who connects; with a ``local_copier`` (``datapath.dram_copy.DramCopier``) it,
+    not NIXL, fills the KVCR's deposits (``kvcr_patches.local_copy``)."""
 
     def build(callbacks: Callbacks) -> BuiltKVCR:
         kvcr_patches.configure(progress_idle_ms)
+        if local_copier is not None:
+            local_copy.install()  # refuses a kvcr whose internals differ
         from kvcr import KVCR, KVCRBindings
         from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions
         from kvcr.control_channels import ZmqPeerControlChannel
@@ -164,6 +169,8 @@ def make_kvcr_factory(
                         local_dram=LocalDramOptions(pools=list(local_dram_pools)),
                     ),
                 )
+            if local_copier is not None:
+                local_copy.attach(kv, local_copier)  # before any deposit
             return BuiltKVCR(kv, str(control.endpoint))
         except BaseException:
             close = getattr(control, "close", None)
@@ -200,6 +207,7 @@ def factory_args(
     control_port: int,
     dram: KVCRDram,
     framework_regions: list[RegionDescriptor],
+    local_copier: Any = None,
 ) -> dict[str, Any]:
     """``make_kvcr_factory``'s arguments but the agent name (per incarnation):
     ``framework_regions`` are what KVCR copies to and from (the staging area on
@@ -218,4 +226,5 @@ def factory_args(
         "nixl_progress_thread": cfg.nixl_progress_thread,
         "progress_idle_ms": cfg.progress_idle_ms,
         "inbound_guard": InboundGuard.from_config(cfg),
+        "local_copier": local_copier,
     }

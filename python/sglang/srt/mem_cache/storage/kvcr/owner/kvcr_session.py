@@ -56,6 +56,7 @@ _COUNTERS = (
     "refused_prepare",
     "claims_released",
     "resilience_events",
+    "dropped_notices",
 )
 
 
@@ -111,11 +112,14 @@ class KVCRSession:
         layout: PageLayout,
         dram: KVCRDram,
         framework_regions: list[RegionDescriptor],
+        local_copier: Any = None,
     ) -> KVCRSession:
         """The first incarnation of ``placement``'s KVCR over ``dram``, copying to
-        and from ``framework_regions``."""
+        and from ``framework_regions`` (deposits by ``local_copier`` if given)."""
         port = placement.control_port(config.control_port)
-        args = kvcr_factory.factory_args(layout, config, port, dram, framework_regions)
+        args = kvcr_factory.factory_args(
+            layout, config, port, dram, framework_regions, local_copier
+        )
         return cls(config, dram, args, placement.label())
 
     def log_up(self, placement: RankPlacement, layout: PageLayout) -> None:

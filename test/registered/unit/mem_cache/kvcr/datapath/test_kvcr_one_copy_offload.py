@@ -1,0 +1,245 @@
+"""The one-copy offload: pool pages straight into KVCR DRAM, READY only after.
+
+KVCR (real kvcr 0.1.1 over CPU tensors) allocates a deposit's slots and keeps
+them FILLING; the linker's copier (``datapath/dram_copy.py``, wired in through
+``kvcr_patches/local_copy.py``) writes them, and only its report lets KVCR mark
+them READY. Here the copy is held, made late, made to fail and pointed at DRAM
+that moved: no slot is ever READY before its bytes landed, a failed or late copy
+is a failed offload with its slots freed, and a round trip is byte-exact.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from cpu_harness.kvcr_pages import (
+    fill_random,
+    hashes_for,
+    kv_transfer,
+    make_linker,
+    make_pool,
+    offload_and_commit,
+    page_bytes,
+    prepare,
+    restore,
+    wait_until,
+)
+from sglang.srt.mem_cache.storage.kvcr.datapath import dram_copy
+from sglang.srt.mem_cache.storage.kvcr.datapath.dram_copy import (
+    CopyRefused,
+    DramCopier,
+    plan_runs,
+)
+from sglang.srt.mem_cache.storage.kvcr.device.device_streams import DeviceBinding
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import local_copy
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.local_copy import SlotRef
+
+pytestmark = pytest.mark.kvcr
+
+
+@pytest.fixture
+def held_copy(monkeypatch):
+    """Every copy waits for ``release`` before moving a byte."""
+    release, started = threading.Event(), threading.Event()
+    original = DramCopier._copy
+
+    def held(self, job, stream):
+        started.set()
+        assert release.wait(10), "test never released the copy"
+        original(self, job, stream)
+
+    monkeypatch.setattr(DramCopier, "_copy", held)
+    return started, release
+
+
+def _resident(lk) -> int:
+    return lk.residency.gauges().resident_keys
+
+
+def test_round_trip_is_byte_exact_and_uses_the_copier():
+    pool = make_pool()
+    fill_random(pool, [1, 2, 3], seed=11)
+    want = [page_bytes(pool, p).clone() for p in (1, 2, 3)]
+    lk = make_linker(pool)
+    try:
+        hashes = hashes_for(3, "one-copy")
+        assert offload_and_commit(lk, hashes, [1, 2, 3]) is True
+        assert lk.copier.copied_bytes == sum(w.numel() for w in want)
+        prepare(lk, "r", hashes)
+        assert restore(lk, "r", hashes, [4, 5, 6]) is True
+        for p, w in zip((4, 5, 6), want, strict=True):
+            assert torch.equal(page_bytes(pool, p), w)
+    finally:
+        lk.close()
+
+
+def test_no_slot_is_ready_before_its_copy_landed(held_copy):
+    started, release = held_copy
+    pool = make_pool()
+    fill_random(pool, [1, 2], seed=12)
+    lk = make_linker(pool)
+    try:
+        hashes = hashes_for(2, "held")
+        assert lk.offload(kv_transfer(hashes, [1, 2])) is True
+        wait_until(lambda: (lk.num_completed_offloads(), started.is_set())[1])
+        # KVCR has the slots (FILLING) and the copy has not run: for 0.3 s of owner
+        # polls (every 2 ms) the offload stays unanswered and nothing is a hit.
+        for _ in range(30):
+            assert lk.num_completed_offloads() == 0
+            assert _resident(lk) == 0
+            threading.Event().wait(0.01)
+        release.set()
+        wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload result")
+        assert lk.pop_completed_offload() is True
+        wait_until(lambda: _resident(lk) == 2, what="pages resident")
+    finally:
+        release.set()
+        lk.close()
+
+
+def test_a_copy_past_its_deadline_fails_and_frees_its_slots(held_copy):
+    started, release = held_copy
+    pool = make_pool()
+    fill_random(pool, [1, 2], seed=13)
+    lk = make_linker(pool, operation_timeout_ms=300, abandon_timeout_ms=600)
+    try:
+        first = hashes_for(2, "late")
+        assert lk.offload(kv_transfer(first, [1, 2])) is True
+        # A second offload queued behind the held one is past its deadline when
+        # the copier reaches it: it is dropped unwritten.
+        second = hashes_for(2, "late-2")
+        assert lk.offload(kv_transfer(second, [1, 2])) is True
+        wait_until(lambda: (lk.num_completed_offloads(), started.is_set())[1])
+        threading.Event().wait(0.6)  # both deadlines pass
+        release.set()
+        wait_until(lambda: lk.num_completed_offloads() >= 2, what="both results")
+        assert lk.pop_completed_offload() is False  # the late running copy
+        assert lk.pop_completed_offload() is False  # never started
+        assert _resident(lk) == 0
+        assert lk.claims_outstanding() == 0
+        # The slots came back: a fresh offload of the same pages is stored.
+        assert offload_and_commit(lk, hashes_for(2, "after"), [1, 2]) is True
+    finally:
+        release.set()
+        lk.close()
+
+
+def test_a_failed_copy_is_a_failed_offload(monkeypatch):
+    def broken(self, job, stream):
+        raise RuntimeError("copy failed (injected)")
+
+    monkeypatch.setattr(DramCopier, "_copy", broken)
+    pool = make_pool()
+    fill_random(pool, [1], seed=14)
+    lk = make_linker(pool)
+    try:
+        hashes = hashes_for(1, "broken")
+        assert offload_and_commit(lk, hashes, [1]) is False
+        assert _resident(lk) == 0
+        handle_ready = lk.prepare_request
+        assert handle_ready is not None
+        assert lk.lookup("none", kv_transfer(hashes)) == []
+    finally:
+        lk.close()
+
+
+def test_a_copier_without_its_device_fails_offloads(monkeypatch):
+    def lost(self):
+        raise RuntimeError("CUDA error: device lost (injected)")
+
+    monkeypatch.setattr(DeviceBinding, "bind_thread", lost)
+    pool = make_pool()
+    fill_random(pool, [1], seed=15)
+    lk = make_linker(pool)
+    try:
+        assert offload_and_commit(lk, hashes_for(1, "lost"), [1]) is False
+        assert _resident(lk) == 0
+    finally:
+        lk.close()
+
+
+def _copier(rows, storage):
+    return DramCopier(rows, lambda: storage, DeviceBinding.of(torch.device("cpu")))
+
+
+def test_dram_that_moved_is_never_written():
+    rows = {"kv:0": torch.arange(64, dtype=torch.uint8).view(4, 16)}
+    store = torch.zeros(8 * 16, dtype=torch.uint8)
+    copier = _copier(rows, {"kv": store})
+    try:
+        stale = SlotRef("kv", store.data_ptr() + 4096, 16, 0)
+        job = copier.start([("kv:0", 1)], [stale], deadline=float("inf"))
+        wait_until(lambda: job.poll() is not None, what="job")
+        assert job.poll() is False
+        assert int(store.count_nonzero()) == 0
+    finally:
+        assert copier.close(5)
+
+
+def test_pairs_land_in_their_slots_whatever_the_order():
+    """Property: any pages into any distinct slots (runs, strides, singles)."""
+    rng = random.Random(5)
+    interesting = 0
+    for case in range(60):
+        parts, row = rng.choice([1, 2, 3]), rng.choice([16, 24, 64])
+        rows = {
+            f"kv:{k}": torch.randint(0, 255, (32, row), dtype=torch.uint8)
+            for k in range(parts)
+        }
+        store = torch.zeros(96 * row, dtype=torch.uint8)
+        n = rng.randint(1, 20)
+        slots = rng.sample(range(96), n * parts)
+        if case % 2:
+            slots.sort()
+        sources = [(f"kv:{k}", rng.randrange(32)) for _ in range(n) for k in range(parts)]
+        refs = [SlotRef("kv", store.data_ptr(), row, s) for s in slots]
+        interesting += len(plan_runs(sorted(slots))) < len(slots)
+        copier = _copier(rows, {"kv": store})
+        try:
+            job = copier.start(sources, refs, deadline=float("inf"))
+            wait_until(lambda j=job: j.poll() is not None, what="job")
+            assert job.poll() is True
+        finally:
+            assert copier.close(5)
+        view = store.view(96, row)
+        for (label, index), slot in zip(sources, slots, strict=True):
+            assert torch.equal(view[slot], rows[label][index])
+        untouched = set(range(96)) - set(slots)
+        assert all(int(view[s].count_nonzero()) == 0 for s in untouched)
+    assert interesting >= 20  # most cases had multi-slot runs, not only singles
+
+
+def test_plan_runs_splits_on_stride_changes():
+    assert plan_runs([0, 2, 4, 5, 6, 9]) == [(0, 3, 2), (3, 5, 1), (5, 6, 1)]
+    assert plan_runs([3]) == [(0, 1, 1)]
+    assert plan_runs([]) == []
+
+
+def test_a_pair_the_copier_cannot_write_is_refused():
+    rows = {"kv:0": torch.zeros(4, 16, dtype=torch.uint8)}
+    store = torch.zeros(8 * 16, dtype=torch.uint8)
+    copier = _copier(rows, {"kv": store})
+    try:
+        for label, index, size in (("kv:9", 0, 16), ("kv:0", 7, 16), ("kv:0", 0, 32)):
+            job = dram_copy.CopyJob(
+                [(label, index)],
+                [SlotRef("kv", store.data_ptr(), size, 0)],
+                float("inf"),
+            )
+            with pytest.raises(CopyRefused):
+                copier._groups(job)
+    finally:
+        assert copier.close(5)
+
+
+def test_install_refuses_another_kvcr(monkeypatch):
+    import importlib.metadata
+
+    monkeypatch.setattr(local_copy, "_installed", False)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.2.0")
+    with pytest.raises(local_copy.LocalCopyUnsupported, match="kvcr==0.1.1"):
+        local_copy.install()
