@@ -176,12 +176,14 @@ def test_restore_without_fences_is_overwritten_negative_control():
 
 
 @pytest.mark.gpu
-def test_staged_offload_waits_for_the_forward_that_writes_its_pages():
-    """The stager copies only after the forward stream wrote the pages."""
+@pytest.mark.parametrize("path", ["staged", "direct"])
+def test_offload_waits_for_the_forward_that_writes_its_pages(path):
+    """The copy (the stager's, or the one copy into KVCR DRAM) reads the pages
+    only after the forward stream wrote them."""
     pool = make_pool("cuda")
     forward = torch.cuda.Stream()
     scheduler = torch.cuda.Stream()
-    lk = make_linker(pool, forward_stream=forward, offload_path="staged")
+    lk = make_linker(pool, forward_stream=forward, offload_path=path)
     try:
         src, dest = [7, 8, 9], [41, 42, 43]
         with torch.cuda.stream(scheduler):

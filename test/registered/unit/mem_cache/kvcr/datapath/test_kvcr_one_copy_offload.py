@@ -40,6 +40,8 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.local_copy import Slot
 
 pytestmark = pytest.mark.kvcr
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
 
 @pytest.fixture
 def held_copy(monkeypatch):
@@ -60,17 +62,20 @@ def _resident(lk) -> int:
     return lk.residency.gauges().resident_keys
 
 
-def test_round_trip_is_byte_exact_and_uses_the_copier():
-    pool = make_pool()
+@pytest.mark.parametrize("device", DEVICES)
+def test_round_trip_is_byte_exact_and_uses_the_copier(device):
+    pool = make_pool(device)
     fill_random(pool, [1, 2, 3], seed=11)
     want = [page_bytes(pool, p).clone() for p in (1, 2, 3)]
     lk = make_linker(pool)
     try:
         hashes = hashes_for(3, "one-copy")
-        assert offload_and_commit(lk, hashes, [1, 2, 3]) is True
+        assert offload_and_commit(lk, hashes, [1, 2, 3], device) is True
         assert lk.copier.copied_bytes == sum(w.numel() for w in want)
         prepare(lk, "r", hashes)
-        assert restore(lk, "r", hashes, [4, 5, 6]) is True
+        assert restore(lk, "r", hashes, [4, 5, 6], device) is True
+        if device == "cuda":
+            torch.cuda.synchronize()
         for p, w in zip((4, 5, 6), want, strict=True):
             assert torch.equal(page_bytes(pool, p), w)
     finally:
@@ -128,20 +133,30 @@ def test_a_copy_past_its_deadline_fails_and_frees_its_slots(held_copy):
         lk.close()
 
 
-def test_a_failed_copy_is_a_failed_offload(monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_failed_copy_is_a_failed_offload(monkeypatch, device):
+    """A copy that raises part way (after its first run was queued, on CUDA)
+    fails the offload: no READY slot, nothing to restore."""
+    original = DramCopier._copy_rows_device
+
+    def broken_device(self, *args):
+        original(self, *args)
+        raise RuntimeError("copy failed (injected)")
+
     def broken(self, job, stream):
         raise RuntimeError("copy failed (injected)")
 
-    monkeypatch.setattr(DramCopier, "_copy", broken)
-    pool = make_pool()
+    if device == "cuda":
+        monkeypatch.setattr(DramCopier, "_copy_rows_device", broken_device)
+    else:
+        monkeypatch.setattr(DramCopier, "_copy", broken)
+    pool = make_pool(device)
     fill_random(pool, [1], seed=14)
     lk = make_linker(pool)
     try:
         hashes = hashes_for(1, "broken")
-        assert offload_and_commit(lk, hashes, [1]) is False
+        assert offload_and_commit(lk, hashes, [1], device) is False
         assert _resident(lk) == 0
-        handle_ready = lk.prepare_request
-        assert handle_ready is not None
         assert lk.lookup("none", kv_transfer(hashes)) == []
     finally:
         lk.close()
@@ -195,7 +210,9 @@ def test_pairs_land_in_their_slots_whatever_the_order():
         slots = rng.sample(range(96), n * parts)
         if case % 2:
             slots.sort()
-        sources = [(f"kv:{k}", rng.randrange(32)) for _ in range(n) for k in range(parts)]
+        sources = [
+            (f"kv:{k}", rng.randrange(32)) for _ in range(n) for k in range(parts)
+        ]
         refs = [SlotRef("kv", store.data_ptr(), row, s) for s in slots]
         interesting += len(plan_runs(sorted(slots))) < len(slots)
         copier = _copier(rows, {"kv": store})
@@ -241,5 +258,5 @@ def test_install_refuses_another_kvcr(monkeypatch):
 
     monkeypatch.setattr(local_copy, "_installed", False)
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.2.0")
-    with pytest.raises(local_copy.LocalCopyUnsupported, match="kvcr==0.1.1"):
+    with pytest.raises(local_copy.LocalCopyUnsupported, match=r"kvcr==0\.1\.1"):
         local_copy.install()
