@@ -114,7 +114,12 @@ class KVCRDirectLinker(
                 ),
             )
             self.hints = RouterHintParser.from_config(cfg, self.placement.shard_rank)
-            self.preparations = Preparations(self.stats)
+            # Claims of waiting requests: at most max_claimed_bytes (0: half
+            # of this rank's DRAM share), the rest stays for offloads.
+            self.preparations = Preparations(
+                self.stats,
+                cfg.max_claimed_bytes or self.dram.gauges().dram_bytes // 2,
+            )
             self.recovery = Recovery()
             self.residency = Residency(self.layout)
             self.offloader = Offloader(
@@ -214,6 +219,7 @@ class KVCRDirectLinker(
             self.dram.peer_fetches_off,
             self.placement.multi_node,
             self.stats,
+            ctx.kv_hints is not None and self._fills_unresolved(),
         )
         commands = self.preparations.prepare(
             ctx,
@@ -229,6 +235,13 @@ class KVCRDirectLinker(
             self.session.submit(commands)
             self._pump()
         return ctx.handle
+
+    def _fills_unresolved(self) -> bool:
+        """Failed peer fetches whose source never resolved its write still hold
+        more KVCR DRAM than ``max_abandoned_bytes``: no more hints until they
+        resolve (kvcr_patches.unresolved_fills)."""
+        held = self._adapter.stats().unresolved_fill_bytes
+        return held > self.config.max_abandoned_bytes
 
     def preparation_ready(self, handle: PreparationHandle) -> bool:
         """Whether ``handle``'s attempt may be admitted (only its own preparation

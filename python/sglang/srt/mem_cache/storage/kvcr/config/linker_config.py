@@ -133,7 +133,19 @@ class KVCRLinkerConfig:
         default=256 * _MIB,
         metadata=_doc(
             "Bound on bytes held by operations whose requests went away; beyond it "
-            "new preparations are refused until KVCR resolves them."
+            "new preparations are refused until KVCR resolves them. It also bounds "
+            "the KVCR DRAM that failed peer fetches still hold (a hinted source "
+            "that never completed or refused its write): beyond it hints are "
+            "ignored (counted) until those writes resolve."
+        ),
+    )
+    max_claimed_bytes: int = dataclasses.field(
+        default=0,
+        metadata=_doc(
+            "Bound on the KVCR DRAM bytes that the claims of prepared requests "
+            "(landed or being fetched) hold while they wait to load; beyond it a "
+            "new request's preparation is refused (counted) and its pages "
+            "recomputed. 0 means half of this rank's KVCR DRAM share."
         ),
     )
     max_quarantined_cores: int = dataclasses.field(
@@ -230,82 +242,7 @@ class KVCRLinkerConfig:
     )
 
     def __post_init__(self) -> None:
-        require_int(
-            "local_dram_bytes_per_worker",
-            self.local_dram_bytes_per_worker,
-            minimum=1,
-        )
-        require_int("control_port", self.control_port, minimum=0, maximum=65535)
-        for name in (
-            "operation_timeout_ms",
-            "abandon_timeout_ms",
-            "preparation_timeout_ms",
-        ):
-            require_int(name, getattr(self, name), minimum=1, maximum=_MAX_MS)
-        require_int(
-            "prepare_chunk_pages", self.prepare_chunk_pages, minimum=1, maximum=1 << 20
-        )
-        for name in (
-            "max_inflight_offload_bytes",
-            "max_inflight_prepare_bytes",
-            "max_abandoned_bytes",
-        ):
-            require_int(name, getattr(self, name), minimum=1)
-        wait = self.owner_wait_timeout_s
-        if isinstance(wait, bool) or not isinstance(wait, (int, float)):
-            raise config_error("owner_wait_timeout_s", "must be a number of seconds")
-        if not 0 < wait <= 3600:
-            raise config_error("owner_wait_timeout_s", "must be in (0, 3600] seconds")
-        for flag in ("nixl_progress_thread", "accept_request_hints"):
-            if not isinstance(getattr(self, flag), bool):
-                raise config_error(flag, "must be true or false")
-        require_int("progress_idle_ms", self.progress_idle_ms, minimum=0, maximum=1000)
-        if self.progress_idle_ms * 4 > self.operation_timeout_ms:
-            # kvcr turns this worker's source writes off when its progress loop
-            # sleeps as long as an operation's timeout.
-            raise config_error(
-                "progress_idle_ms",
-                f"{self.progress_idle_ms} is over a quarter of operation_timeout_ms="
-                f"{self.operation_timeout_ms}; lower it (or raise the timeout)",
-            )
-        require_int(
-            "max_quarantined_cores", self.max_quarantined_cores, minimum=0, maximum=64
-        )
-        if self.offload_path not in _OFFLOAD_PATHS:
-            raise config_error("offload_path", f"must be one of {list(_OFFLOAD_PATHS)}")
-        if self.eviction_policy not in _EVICTION_POLICIES:
-            raise config_error(
-                "eviction_policy", f"must be one of {list(_EVICTION_POLICIES)}"
-            )
-        if self.abandon_timeout_ms < 2 * self.operation_timeout_ms:
-            raise config_error(
-                "abandon_timeout_ms",
-                f"must be >= 2 x operation_timeout_ms "
-                f"({2 * self.operation_timeout_ms}); raise it or lower "
-                f"operation_timeout_ms",
-            )
-        require_host("control_bind_host", self.control_bind_host)
-        require_host("control_advertise_host", self.control_advertise_host)
-        if not self.control_bind_host:
-            raise config_error("control_bind_host", "must not be empty")
-        if is_wildcard(self.control_bind_host) and not self.control_advertise_host:
-            raise config_error(
-                "control_advertise_host",
-                f"is required when control_bind_host is {self.control_bind_host!r}; "
-                f"set it to the address peers should dial",
-            )
-        if is_wildcard(self.control_advertise_host):
-            raise config_error(
-                "control_advertise_host", "must be a reachable address, not a wildcard"
-            )
-        allow = self.peer_endpoint_allowlist
-        if not isinstance(allow, tuple) or not all(isinstance(e, str) for e in allow):
-            raise config_error("peer_endpoint_allowlist", "must be a list of strings")
-        for entry in allow:
-            parse_allowlist_entry(entry)
-        check_curve_fields(
-            self.control_curve_secret_key_file, self.control_curve_public_keys_dir
-        )
+        _check(self)
 
     @property
     def advertise_host(self) -> str:
@@ -365,6 +302,88 @@ class KVCRLinkerConfig:
         if backend == "dynamic" and isinstance(raw, Mapping):
             raw = raw.get("linker_extra_config", {})
         return cls.from_dict(raw)
+
+
+def _check(cfg: KVCRLinkerConfig) -> None:
+    """Ranges and cross-field rules of ``cfg``; a bad value raises one line naming
+    the field and the fix."""
+    require_int(
+        "local_dram_bytes_per_worker",
+        cfg.local_dram_bytes_per_worker,
+        minimum=1,
+    )
+    require_int("control_port", cfg.control_port, minimum=0, maximum=65535)
+    for name in (
+        "operation_timeout_ms",
+        "abandon_timeout_ms",
+        "preparation_timeout_ms",
+    ):
+        require_int(name, getattr(cfg, name), minimum=1, maximum=_MAX_MS)
+    require_int(
+        "prepare_chunk_pages", cfg.prepare_chunk_pages, minimum=1, maximum=1 << 20
+    )
+    for name in (
+        "max_inflight_offload_bytes",
+        "max_inflight_prepare_bytes",
+        "max_abandoned_bytes",
+    ):
+        require_int(name, getattr(cfg, name), minimum=1)
+    require_int("max_claimed_bytes", cfg.max_claimed_bytes, minimum=0)
+    wait = cfg.owner_wait_timeout_s
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)):
+        raise config_error("owner_wait_timeout_s", "must be a number of seconds")
+    if not 0 < wait <= 3600:
+        raise config_error("owner_wait_timeout_s", "must be in (0, 3600] seconds")
+    for flag in ("nixl_progress_thread", "accept_request_hints"):
+        if not isinstance(getattr(cfg, flag), bool):
+            raise config_error(flag, "must be true or false")
+    require_int("progress_idle_ms", cfg.progress_idle_ms, minimum=0, maximum=1000)
+    if cfg.progress_idle_ms * 4 > cfg.operation_timeout_ms:
+        # kvcr turns this worker's source writes off when its progress loop
+        # sleeps as long as an operation's timeout.
+        raise config_error(
+            "progress_idle_ms",
+            f"{cfg.progress_idle_ms} is over a quarter of operation_timeout_ms="
+            f"{cfg.operation_timeout_ms}; lower it (or raise the timeout)",
+        )
+    require_int(
+        "max_quarantined_cores", cfg.max_quarantined_cores, minimum=0, maximum=64
+    )
+    if cfg.offload_path not in _OFFLOAD_PATHS:
+        raise config_error("offload_path", f"must be one of {list(_OFFLOAD_PATHS)}")
+    if cfg.eviction_policy not in _EVICTION_POLICIES:
+        raise config_error(
+            "eviction_policy", f"must be one of {list(_EVICTION_POLICIES)}"
+        )
+    if cfg.abandon_timeout_ms < 2 * cfg.operation_timeout_ms:
+        raise config_error(
+            "abandon_timeout_ms",
+            f"must be >= 2 x operation_timeout_ms "
+            f"({2 * cfg.operation_timeout_ms}); raise it or lower "
+            f"operation_timeout_ms",
+        )
+    require_host("control_bind_host", cfg.control_bind_host)
+    require_host("control_advertise_host", cfg.control_advertise_host)
+    if not cfg.control_bind_host:
+        raise config_error("control_bind_host", "must not be empty")
+    if is_wildcard(cfg.control_bind_host) and not cfg.control_advertise_host:
+        raise config_error(
+            "control_advertise_host",
+            f"is required when control_bind_host is {cfg.control_bind_host!r}; "
+            f"set it to the address peers should dial",
+        )
+    if is_wildcard(cfg.control_advertise_host):
+        raise config_error(
+            "control_advertise_host", "must be a reachable address, not a wildcard"
+        )
+    allow = cfg.peer_endpoint_allowlist
+    if not isinstance(allow, tuple) or not all(isinstance(e, str) for e in allow):
+        raise config_error("peer_endpoint_allowlist", "must be a list of strings")
+    for entry in allow:
+        parse_allowlist_entry(entry)
+    check_curve_fields(
+        cfg.control_curve_secret_key_file, cfg.control_curve_public_keys_dir
+    )
 
 
 def field_docs() -> dict[str, str]:

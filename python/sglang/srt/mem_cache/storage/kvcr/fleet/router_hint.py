@@ -334,10 +334,12 @@ def request_hint(
     peer_fetches_off: bool,
     multi_node: bool,
     stats: Any,
+    fills_unresolved: bool = False,
 ) -> RequestHint:
     """``ctx``'s hint for this rank. A hint naming this very worker (any of
     ``own_endpoints``, normalized) is local residency, never a NIXL transfer to
-    itself; none is taken while peer fetches are off (``max_quarantined_cores``)
+    itself; none is taken while peer fetches are off (``max_quarantined_cores``),
+    while failed peer fetches still hold too much DRAM (``fills_unresolved``)
     or when the server's attention ranks span nodes (a hint names one host).
     Each is counted in ``stats``."""
     hint = parser.parse(ctx.kv_hints) if ctx.kv_hints is not None else None
@@ -350,6 +352,9 @@ def request_hint(
         hint = None
     elif hint is not None and peer_fetches_off:
         stats.hints_quarantine_off += 1
+        hint = None
+    elif hint is not None and fills_unresolved:
+        stats.hints_unresolved_off += 1
         hint = None
     return RequestHint(hint, hinted_pages(hint, page_hashes, ctx.event_hashes))
 

@@ -84,6 +84,8 @@ class LinkerStats:
     hints_self: int = 0  # hints naming this worker: served from local residency
     hints_quarantine_off: int = 0  # hints ignored: peer fetches off (quarantine)
     hints_multinode_off: int = 0  # hints ignored: attention ranks span nodes
+    # hints ignored: failed peer fetches hold over max_abandoned_bytes of DRAM
+    hints_unresolved_off: int = 0
     offloaded_bytes: int = 0
     restored_bytes: int = 0
     prepare_ms_total: float = 0.0
@@ -97,6 +99,7 @@ class LinkerStats:
     admission_wait_ms_max: float = 0.0
     offload_staging_full: int = 0
     refused_abandoned: int = 0
+    refused_claimed: int = 0  # preparations refused: claims over max_claimed_bytes
     evicted_pages: int = 0
     refused_weights_changed: int = 0  # lookups between a weight update and flush
     samples: Samples = dataclasses.field(default_factory=Samples)
@@ -126,6 +129,7 @@ class PreparationGauges:
 
     claims_held: int = 0
     abandoned_bytes: int = 0  # still fetched for preparations that were dropped
+    claimed_bytes: int = 0  # claimed or being fetched for live preparations
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -176,6 +180,7 @@ def snapshot(
         "hints_self": s.hints_self,
         "hints_quarantine_off": s.hints_quarantine_off,
         "hints_multinode_off": s.hints_multinode_off,
+        "hints_unresolved_off": s.hints_unresolved_off,
         "peer_fetches_off": int(d.peer_fetches_off),
         "weights_changed_misses": s.refused_weights_changed,
         "offloaded_bytes": s.offloaded_bytes,
@@ -196,15 +201,19 @@ def snapshot(
         "evicted_pages": s.evicted_pages,
         "abandoned_bytes": p.abandoned_bytes,
         "refused_abandoned": s.refused_abandoned,
+        "unresolved_fill_bytes": adapter.unresolved_fill_bytes,
         "resident_keys": r.resident_keys,
         "dram_used_bytes": r.dram_used_bytes,
         "dram_bytes": d.dram_bytes,
         "claims_held": p.claims_held,
+        "claimed_bytes": p.claimed_bytes,
+        "refused_claimed": s.refused_claimed,
         "refused_offload": adapter.refused_offload,
         "refused_prepare": adapter.refused_prepare,
         "inflight_offload_bytes": adapter.inflight_offload_bytes,
         "inflight_prepare_bytes": adapter.inflight_prepare_bytes,
         "inbound_refused": gauges.inbound_refused,
+        "dropped_notices": adapter.dropped_notices,
         "kvcr_failures": gauges.kvcr.failures,
         "kvcr_restarts": gauges.kvcr.restarts,
         "kvcr_down": int(gauges.kvcr.down),

@@ -96,6 +96,10 @@ class AdapterStats:
     inflight_prepare_bytes: int = 0
     peak_offload_bytes: int = 0
     peak_prepare_bytes: int = 0
+    # kvcr's peer checks (kvcr_patches): completion notices dropped (not from the
+    # agent their pull was sent to), and DRAM bytes failed fetches still hold.
+    dropped_notices: int = 0
+    unresolved_fill_bytes: int = 0
 
 
 # Budget -> AdapterStats fields: (in flight, peak, refused count).

@@ -45,6 +45,10 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     charge,
     completed_as,
 )
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import (
+    completion_senders,
+    unresolved_fills,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +231,7 @@ class CommandExecutor:
 
     __slots__ = (
         "_kvcr",
+        "_peer_checks",
         "_pins",
         "_results",
         "_stats",
@@ -253,6 +258,7 @@ class CommandExecutor:
         # KVCR handle -> the deposit or fetch it runs (its id, budget and keys:
         # what a completion reports, or what a FAILED answer needs).
         self.inflight: dict[int, Deposit | Fetch] = {}
+        self._peer_checks = (0, 0)  # (dropped notices, unresolved fill bytes)
 
     @property
     def kvcr(self) -> Any:
@@ -342,6 +348,18 @@ class CommandExecutor:
             self._uncharge(budget_of(op), op.nbytes)
             kind = OpKind.DEPOSIT if isinstance(op, Deposit) else OpKind.FETCH
             self._results.put(OpDone(op.op_id, kind, done))
+        self._publish_peer_checks()
+
+    def _publish_peer_checks(self) -> None:
+        """What kvcr's peer checks counted (kvcr_patches), into the stats."""
+        now = (
+            completion_senders.dropped(self._kvcr),
+            unresolved_fills.held(self._kvcr),
+        )
+        if now != self._peer_checks:
+            self._peer_checks = now
+            with self._stats_lock:
+                self._stats.dropped_notices, self._stats.unresolved_fill_bytes = now
 
 
 def _entry(result: Any) -> EntryResult:

@@ -123,6 +123,7 @@ def make_kvcr_factory(
 
     def build(callbacks: Callbacks) -> BuiltKVCR:
         kvcr_patches.configure(progress_idle_ms)
+        _install_peer_checks()  # refuses a kvcr whose internals differ
         if local_copier is not None:
             local_copy.install()  # refuses a kvcr whose internals differ
         from kvcr import KVCR, KVCRBindings
@@ -179,6 +180,20 @@ def make_kvcr_factory(
             raise
 
     return build
+
+
+def _install_peer_checks() -> None:
+    """kvcr's peer checks (kvcr_patches): a pull's completion only from the agent
+    it was sent to, bounded write-probe fences, the DRAM of failed fetches
+    counted. Each raises when kvcr's internals are not 0.1.1's."""
+    from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import (
+        completion_senders,
+        probe_fences,
+        unresolved_fills,
+    )
+
+    for patch in (completion_senders, probe_fences, unresolved_fills):
+        patch.install()
 
 
 def _channel_on_own_port(channel_cls: Any, bind_host: str, advertise_host: str) -> Any:

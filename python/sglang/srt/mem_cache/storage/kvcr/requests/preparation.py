@@ -2,19 +2,21 @@
 
 A request's device-uncached tail is prepared at enqueue: pages resident here or
 named by a hint are fetched into local KVCR DRAM, and each page that lands holds a
-residency claim (``ClaimedPage``). ``Preparations`` owns every preparation, which
-request owns each fetch in flight (``FetchOwner``), what fetches of dropped
-preparations still hold (abandoned bytes), and what the readiness gate is holding
-back. It never calls KVCR: it returns the ``Fetch``/``Release``/``DiscardHint``
-commands for the linker to submit, and it is driven by the ``OpDone`` results
-the linker drains, so its logic is tested with plain values.
+residency claim (a ``Preparation``'s ``ClaimedPage``, claimed_pages).
+``Preparations`` owns every preparation, which request owns each fetch in flight
+(``FetchOwner``), what fetches of dropped preparations still hold (abandoned
+bytes), what the claims of live preparations hold (claimed bytes, landed or
+being fetched, bounded so requests waiting in the queue cannot pin the whole DRAM
+share) and what the readiness gate is holding back. It never calls KVCR: it
+returns the ``Fetch``/``Release``/``DiscardHint`` commands for the linker to
+submit, and it is driven by the ``OpDone`` results the linker drains, so its
+logic is tested with plain values.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -35,6 +37,12 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     OpId,
     Release,
 )
+from sglang.srt.mem_cache.storage.kvcr.requests.claimed_pages import (
+    ClaimedPage,
+    ClaimLedger,
+    Preparation,
+    PrepState,
+)
 from sglang.srt.mem_cache.storage.kvcr.requests.fetch_plan import (
     PoolFetch,
     plan_fetches,
@@ -46,6 +54,8 @@ from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
     PreparationHandle,
 )
 
+__all__ = ["ClaimedPage", "FetchOwner", "PrepState", "Preparation", "Preparations"]
+
 logger = logging.getLogger(__name__)
 
 Command = Fetch | Release | DiscardHint
@@ -54,87 +64,14 @@ Command = Fetch | Release | DiscardHint
 _MAX_HELD_TRACKED = 4096
 
 
-class PrepState(enum.Enum):
-    FETCHING = "fetching"
-    READY = "ready"
-    RELEASED = "released"
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ClaimedPage:
-    """One pool's object of one page, claimed in KVCR DRAM: the claim to release
-    and the DRAM slot (element index) of each of its parts."""
-
-    claim: ClaimId
-    slots: tuple[int, ...]
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class FetchOwner:
-    """The request a fetch in flight belongs to, and the DRAM it will claim."""
+    """The request a fetch in flight belongs to, and the DRAM it will claim
+    (``page_bytes`` for each of its keys)."""
 
     rid: str
     claimed_bytes: int
-
-
-@dataclasses.dataclass(slots=True)
-class Preparation:
-    """One request attempt's prepared tail: which pages are claimed in KVCR DRAM."""
-
-    ctx: LinkerRequestContext
-    page_hashes: list[str]
-    deadline: float
-    state: PrepState = PrepState.FETCHING
-    started: float = dataclasses.field(default_factory=time.monotonic)
-    pending_ops: set[OpId] = dataclasses.field(default_factory=set)
-    # page index -> {pool name: its claimed object}
-    landed: dict[int, dict[str, ClaimedPage]] = dataclasses.field(default_factory=dict)
-    hinted: bool = False
-    positions: dict[str, int] | None = None  # page hash -> index, built on demand
-
-    def index_of(self, page_hash: str) -> int | None:
-        if self.page_hashes and self.page_hashes[0] == page_hash:
-            return 0  # the usual case: asked about the tail it was prepared for
-        if self.positions is None:
-            self.positions = {}
-            for i, h in enumerate(self.page_hashes):
-                self.positions.setdefault(h, i)
-        return self.positions.get(page_hash)
-
-    def restorable(
-        self,
-        start: int,
-        tail: list[str],
-        full: frozenset[str],
-        window: frozenset[str],
-        window_pages: int,
-    ) -> list[int]:
-        """Every boundary ``b`` of ``tail`` (which starts at prepared page
-        ``start``) restorable from claims: ``full`` pools claimed for all ``b``
-        pages and ``window`` pools for the last ``window_pages`` of them. Sparse
-        when a window page in the middle is missing (0.5.23's restorable-set
-        rule); stops where the tail leaves the prepared pages."""
-        out: list[int] = []
-        last_gap = -1  # latest tail page lacking a window-pool claim
-        prepared = self.page_hashes
-        for b in range(1, len(tail) + 1):
-            index = start + b - 1
-            have = self.landed.get(index)
-            if (
-                have is None
-                or not full <= have.keys()
-                or index >= len(prepared)
-                or prepared[index] != tail[b - 1]
-            ):
-                break
-            if not window <= have.keys():
-                last_gap = b - 1
-            if last_gap < max(0, b - window_pages):
-                out.append(b)
-        return out
-
-    def claims(self) -> list[ClaimId]:
-        return [page.claim for objs in self.landed.values() for page in objs.values()]
+    page_bytes: int = 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -148,8 +85,9 @@ class _Held:
 class Preparations:
     """Every preparation of one rank (see the module docstring)."""
 
-    def __init__(self, stats: LinkerStats) -> None:
+    def __init__(self, stats: LinkerStats, max_claimed_bytes: int = 0) -> None:
         self.stats = stats
+        self._ledger = ClaimLedger(bound=max_claimed_bytes)
         self._preps: dict[str, Preparation] = {}
         self._held: dict[str, _Held] = {}  # rid -> held by the readiness gate
         self._owners: dict[OpId, FetchOwner] = {}  # fetch op -> owner
@@ -174,6 +112,7 @@ class Preparations:
         prep = Preparation(
             ctx, page_hashes, time.monotonic() + timeout_s, hinted=hinted
         )
+        prep.landed.ledger = self._ledger  # its claims count with the rank's
         self._preps[ctx.rid] = prep
         return prep, commands
 
@@ -190,8 +129,9 @@ class Preparations:
     ) -> list[Command]:
         """Prepare ``ctx``'s tail: claim its leading resident or hinted pages
         (``hint``: a router_hint.RequestHint). Nothing is fetched when ``refuse``
-        (weights changing) or when abandoned work is over its bound; the
-        commands replace an earlier attempt's and start the fetches."""
+        (weights changing), when abandoned work is over its bound or when its
+        claims would take the claimed bytes over theirs; the commands replace
+        an earlier attempt's and start the fetches."""
         wanted = wanted_pages(page_hashes, hint.pages, residency, layout.full_pools)
         timeout_s = cfg.preparation_timeout_ms / 1000.0
         prep, commands = self.begin(ctx, page_hashes, timeout_s, hint.hint is not None)
@@ -202,11 +142,6 @@ class Preparations:
             # pile more on; this request recomputes.
             self.stats.refused_abandoned += 1
             wanted = 0
-        if wanted == 0:
-            prep.state = PrepState.READY  # zero-hit fast path: no owner round trip
-            return commands
-        self.stats.prepared += 1
-        self.stats.prepared_pages += wanted
         fetches = plan_fetches(
             page_hashes[:wanted],
             hint.pages,
@@ -215,6 +150,14 @@ class Preparations:
             layout.object_bytes,
             cfg.prepare_chunk_pages,
         )
+        if wanted and not self._ledger.fits(self.claimed_bytes(), fetches):
+            self.stats.refused_claimed += 1  # waiting requests hold enough
+            wanted = 0
+        if wanted == 0:
+            prep.state = PrepState.READY  # zero-hit fast path: no owner round trip
+            return commands
+        self.stats.prepared += 1
+        self.stats.prepared_pages += wanted
         envelope = hint.envelope(page_hashes)
         return commands + self.fetch(prep, fetches, next_op_id, envelope)
 
@@ -236,7 +179,7 @@ class Preparations:
             claimed = len(f.keys) * f.page_bytes
             prep.pending_ops.add(op_id)
             # The DRAM it will claim (what an abandoned op still holds).
-            self._owners[op_id] = FetchOwner(prep.ctx.rid, claimed)
+            self._owners[op_id] = FetchOwner(prep.ctx.rid, claimed, f.page_bytes)
             commands.append(
                 Fetch(
                     op_id=op_id,
@@ -281,9 +224,8 @@ class Preparations:
                         late.append(entry.claim)
                     continue
                 slots = tuple(int(ref.element_index) for ref in entry.slots)
-                prep.landed.setdefault(index, {})[parsed[1]] = ClaimedPage(
-                    entry.claim, slots
-                )
+                page = ClaimedPage(entry.claim, slots, owner_page_bytes(owner))
+                prep.landed.add(index, parsed[1], page)
             if logger.isEnabledFor(logging.DEBUG):
                 statuses = collections.Counter(
                     e.status.name for e in done.entries.values()
@@ -424,6 +366,12 @@ class Preparations:
         self._preps.clear()
         return claims
 
+    def claimed_bytes(self) -> int:
+        """Bytes the claims of live preparations hold, landed or being fetched."""
+        owners = self._owners.items()
+        fetching = (o.claimed_bytes for op, o in owners if op not in self._abandoned)
+        return self._ledger.bytes + sum(fetching)
+
     def abandoned_bytes(self) -> int:
         """Bytes still being fetched for preparations that were dropped."""
         return sum(self._abandoned.values())
@@ -436,10 +384,14 @@ class Preparations:
     def gauges(self) -> PreparationGauges:
         """What the preparations hold: the stats snapshot's figures."""
         claims = sum(len(p.claims()) for p in self._preps.values())
-        return PreparationGauges(claims, self.abandoned_bytes())
+        return PreparationGauges(claims, self.abandoned_bytes(), self.claimed_bytes())
 
     def reset(self) -> None:
         """Operations of the old core never complete: forget what they owed."""
         self._owners.clear()
         self._abandoned.clear()
         self._held.clear()
+
+
+def owner_page_bytes(owner: FetchOwner | None) -> int:
+    return 0 if owner is None else owner.page_bytes

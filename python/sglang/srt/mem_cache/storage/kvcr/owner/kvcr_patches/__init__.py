@@ -21,7 +21,8 @@ for SGLang's).
   derived from the listener kept explicitly.
 - The inbound check on kvcr's ``ZmqPeerControlChannel`` (``guarded_channel_class``,
   see control_auth): a subclass that swaps kvcr's unchecked PULL socket for one
-  guarded by a ZAP handler, and dials peers with the guard's options.
+  guarded by a ZAP handler, and dials peers with the guard's options, keeping
+  at most ``outgoing_sockets.MAX_OUTGOING`` outgoing sockets.
 - Whether a KVCR whose close failed has since become quiescent
   (``core_is_quiescent``: kvcr exposes it on its core only), and how many
   residency claims a KVCR holds (``public_claims``, for shutdown checks).
@@ -29,6 +30,12 @@ for SGLang's).
   (``needs_restart``): after a source-progress gap kvcr turns the worker's source
   writes off "until restart" and says so only in the error's text
   (``kvcr/dangling_ops.py``, ``check_source_progress``).
+
+Modules beside this one each patch one more part of kvcr, among them
+``completion_senders`` (a pull's completion only from the agent it was sent to),
+``probe_fences`` (bounded write-probe fences), ``unresolved_fills`` (DRAM held by
+failed fetches, counted) and ``outgoing_sockets``; ``kvcr_internals`` checks the
+internals the first three wrap.
 """
 
 from __future__ import annotations
@@ -211,6 +218,7 @@ def _build_guarded_channel_class() -> type:
         _stop_authenticator,
         _zap_handler_class,
     )
+    from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import outgoing_sockets
 
     for name in ("initialize", "send", "close", "adopt_listener"):
         if not callable(getattr(ZmqPeerControlChannel, name, None)):
@@ -290,6 +298,7 @@ def _build_guarded_channel_class() -> type:
         def send(self, endpoint: str, message: bytes) -> bool:
             if not self._guard.may_dial(endpoint):  # before any socket exists
                 return False
+            outgoing_sockets.make_room(self._outgoing, endpoint)
             # Dial with our options first; kvcr's send then finds the socket.
             fresh = self._ctx is not None and endpoint not in self._outgoing
             if fresh and not self._dial(endpoint):

@@ -1,0 +1,144 @@
+"""A preparation and its claimed pages: what one request attempt holds in KVCR DRAM.
+
+``Preparation`` is one request attempt's prepared tail and the pages it claimed
+(``Landed``: page index -> pool -> ``ClaimedPage``, a claim, its DRAM slots and
+its bytes), and answers which boundaries of a tail its claims make restorable.
+Every preparation of a rank adds its claims' bytes to one ``ClaimLedger`` and
+whatever takes pages out of it (a load taking a page's claims, a drop) takes
+them off, so the rank's claimed bytes are known at any time without a walk
+(``preparation.Preparations`` bounds them). Plain values, no KVCR calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Any
+
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import ClaimId, OpId
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
+    LinkerRequestContext,
+)
+
+
+class PrepState(enum.Enum):
+    FETCHING = "fetching"
+    READY = "ready"
+    RELEASED = "released"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClaimedPage:
+    """One pool's object of one page, claimed in KVCR DRAM: the claim to release,
+    the DRAM slot (element index) of each of its parts, and its bytes."""
+
+    claim: ClaimId
+    slots: tuple[int, ...]
+    nbytes: int = 0
+
+
+@dataclasses.dataclass(slots=True)
+class ClaimLedger:
+    """Bytes of KVCR DRAM the landed claims of a rank's preparations hold, and
+    the bound on what they may claim (0: none)."""
+
+    bytes: int = 0
+    bound: int = 0
+
+    def fits(self, held: int, fetches: Any) -> bool:
+        """Whether claiming ``fetches`` (``PoolFetch``) on top of ``held`` claimed
+        bytes stays within the bound; a preparation alone always fits (refusing
+        it would refuse it forever)."""
+        if not self.bound or held == 0:
+            return True
+        return held + sum(len(f.keys) * f.page_bytes for f in fetches) <= self.bound
+
+
+class Landed(dict[int, dict[str, ClaimedPage]]):
+    """A preparation's claimed pages: page index -> {pool name: its object}.
+    Whatever takes pages out (a load takes a page's claims with ``pop``, a drop
+    clears them) takes their bytes off the rank's ``ClaimLedger``."""
+
+    __slots__ = ("ledger",)
+
+    def __init__(self, ledger: ClaimLedger | None = None) -> None:
+        super().__init__()
+        self.ledger = ClaimLedger() if ledger is None else ledger
+
+    def add(self, index: int, pool: str, page: ClaimedPage) -> None:
+        objs = self.setdefault(index, {})
+        old = objs.get(pool)
+        objs[pool] = page
+        self.ledger.bytes += page.nbytes - (0 if old is None else old.nbytes)
+
+    def pop(self, index: int, default: Any = None) -> Any:
+        objs = super().pop(index, None)
+        if objs is None:
+            return default
+        self.ledger.bytes -= sum(p.nbytes for p in objs.values())
+        return objs
+
+    def clear(self) -> None:
+        self.ledger.bytes -= sum(p.nbytes for o in self.values() for p in o.values())
+        super().clear()
+
+
+@dataclasses.dataclass(slots=True)
+class Preparation:
+    """One request attempt's prepared tail: which pages are claimed in KVCR DRAM."""
+
+    ctx: LinkerRequestContext
+    page_hashes: list[str]
+    deadline: float
+    state: PrepState = PrepState.FETCHING
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    pending_ops: set[OpId] = dataclasses.field(default_factory=set)
+    # page index -> {pool name: its claimed object}
+    landed: Landed = dataclasses.field(default_factory=Landed)
+    hinted: bool = False
+    positions: dict[str, int] | None = None  # page hash -> index, built on demand
+
+    def index_of(self, page_hash: str) -> int | None:
+        if self.page_hashes and self.page_hashes[0] == page_hash:
+            return 0  # the usual case: asked about the tail it was prepared for
+        if self.positions is None:
+            self.positions = {}
+            for i, h in enumerate(self.page_hashes):
+                self.positions.setdefault(h, i)
+        return self.positions.get(page_hash)
+
+    def restorable(
+        self,
+        start: int,
+        tail: list[str],
+        full: frozenset[str],
+        window: frozenset[str],
+        window_pages: int,
+    ) -> list[int]:
+        """Every boundary ``b`` of ``tail`` (which starts at prepared page
+        ``start``) restorable from claims: ``full`` pools claimed for all ``b``
+        pages and ``window`` pools for the last ``window_pages`` of them. Sparse
+        when a window page in the middle is missing (0.5.23's restorable-set
+        rule); stops where the tail leaves the prepared pages."""
+        out: list[int] = []
+        last_gap = -1  # latest tail page lacking a window-pool claim
+        prepared = self.page_hashes
+        for b in range(1, len(tail) + 1):
+            index = start + b - 1
+            have = self.landed.get(index)
+            if (
+                have is None
+                or not full <= have.keys()
+                or index >= len(prepared)
+                or prepared[index] != tail[b - 1]
+            ):
+                break
+            if not window <= have.keys():
+                last_gap = b - 1
+            if last_gap < max(0, b - window_pages):
+                out.append(b)
+        return out
+
+    def claims(self) -> list[ClaimId]:
+        return [page.claim for objs in self.landed.values() for page in objs.values()]
