@@ -198,9 +198,9 @@ def split_deposits(
     next_op_id: Callable[[], OpId],
 ) -> list[Deposit]:
     """The deposits of one ready direct-path offload. Large ones go as
-    ``DEPOSIT_PARTS`` deposits (window pages with the half their page falls in),
-    so KVCR's per-block Python work on the owner thread for the second overlaps
-    the copy of the first."""
+    ``DEPOSIT_PARTS`` deposits (window pages with the part their page falls in),
+    so KVCR's per-block Python work on the owner thread for each overlaps the
+    copy of the one before."""
     record = deferred.record
     kv_group = next(g for g in deferred.groups if not g.pool.trailing)
     order = {h: i for i, h in enumerate(kv_group.keys)}
