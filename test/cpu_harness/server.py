@@ -66,7 +66,12 @@ def cache_dir() -> Path:
 
 
 def python_executable() -> str:
-    """The interpreter of the project's .venv when present, else this one."""
+    """The interpreter servers run under: ``$SGLANG_KVCR_SERVER_PYTHON`` when set
+    (``gpu_check.sh``: its own interpreter, such as the emulated GPU host's), else
+    the project's .venv's when present, else this one."""
+    chosen = os.environ.get("SGLANG_KVCR_SERVER_PYTHON")
+    if chosen:
+        return chosen
     venv_python = REPO / ".venv" / "bin" / "python"
     return str(venv_python) if venv_python.exists() else sys.executable
 

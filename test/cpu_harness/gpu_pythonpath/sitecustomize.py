@@ -45,6 +45,21 @@ def _harness_import_hooks() -> types.ModuleType:
     return module
 
 
+def _dummy_weights_hook() -> None:
+    """``SGLANG_KVCR_DUMMY_WEIGHTS=fan_in``: SGLang's dummy weights become seeded
+    fan-in-scaled ones (``../pythonpath/dummy_weights_hook.py``), so greedy outputs
+    of a dummy-weight server tell a right KV restore from a wrong one."""
+    if os.environ.get("SGLANG_KVCR_DUMMY_WEIGHTS", "").strip().lower() != "fan_in":
+        return
+    if _HARNESS not in sys.path:
+        sys.path.append(_HARNESS)
+    import dummy_weights_hook
+
+    dummy_weights_hook.install()
+
+
+_harness_import_hooks()
+_dummy_weights_hook()
 _harness_import_hooks().start_up(
     __file__,
     flags=("SGLANG_KVCR_PY_ONLY_SGL_KERNEL", "SGLANG_USE_CPU_ENGINE"),

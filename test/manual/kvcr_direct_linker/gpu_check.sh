@@ -1,52 +1,88 @@
 #!/usr/bin/env bash
 # gpu_check.sh: GPU validation + benchmark of the KVCR direct linker in one command,
 # for an AIR-GAPPED CUDA host (one H200; Python 3.12 at plain `python3` with torch
-# 2.11.0+cu130, triton, transformers, numpy, msgpack preinstalled; no registry, no
-# model hub). Everything else comes from a wheelhouse (build_wheelhouse.sh).
+# 2.11.0+cu130, triton, transformers, numpy, pytest and the rest of
+# device_packages.txt preinstalled; no registry, no model hub). Everything else
+# comes from a wheelhouse (build_wheelhouse.sh) that carries only what the host lacks.
 #
 # Usage:
 #   test/manual/kvcr_direct_linker/gpu_check.sh --wheelhouse DIR [options]   # GPU host
 #   test/manual/kvcr_direct_linker/gpu_check.sh --dry-run [options]          # this CPU box
+#   test/manual/kvcr_direct_linker/gpu_check.sh --emulate-host [options]     # this CPU box
 #
 #   --wheelhouse DIR  pip install --no-index --no-deps --target SITE DIR/*.whl over the
-#                     host's own torch (torch/triton/nvidia wheels are refused), then
-#                     run with SITE on PYTHONPATH. SITE: $GPU_CHECK_SITE or
-#                     .cache/gpu_check_site (never under the report dir).
-#   --dry-run         the same stages on CPU with the existing .venv: no install,
-#                     --device cpu, a scaled-down Qwen3 geometry, short timeouts.
-#   --stages LIST     comma-separated subset of: env,gpu-tests,microbench,bench
-#   --list-stages     print the plan (mode, python, report dir, stages, timeouts); exit 0
+#                     host's own packages (a wheel of a package the host has, listed in
+#                     device_packages.txt, is refused), then run with SITE on
+#                     PYTHONPATH. SITE: $GPU_CHECK_SITE or .cache/gpu_check_site.
+#   --dry-run         every stage on CPU with the existing .venv: no install,
+#                     --device cpu, scaled-down geometries, CPU timeouts.
+#   --emulate-host    the GPU host rebuilt here: a Python 3.12 env with the host's
+#                     packages at the host's versions (emulate_host_env.sh, cached in
+#                     --emulate-dir), the wheelhouse (--wheelhouse, else .cache/
+#                     wheelhouse, built by build_wheelhouse.sh when missing) installed
+#                     exactly as on the host, then the stages env, warmup (a CPU
+#                     server with the linker) and the gpu tests' collection.
+#   --emulate-dir DIR caches of --emulate-host, outside the repository (default
+#                     $GPU_CHECK_EMULATE_DIR, else .cache-emulate beside the checkout)
+#   --stages LIST     comma-separated subset of: env,warmup,gpu-tests,
+#                     gpu-tests-sanitizer,microbench,bench,bench-families
+#   --list-stages     print the plan (mode, python, caches, steps, stages, timeouts,
+#                     budget); exit 0
 #   --report-dir DIR  logs and reports (default: $OUT/gpu_check when $OUT is set, else
 #                     .cache/gpu_check)
-#   --python PY       interpreter (default: python3; with --dry-run: .venv/bin/python)
+#   --python PY       interpreter (default: python3; --dry-run: .venv/bin/python;
+#                     --emulate-host: the emulated host's)
 #   -h, --help        this text
 #
 # Typical GPU call: build the wheelhouse here (build_wheelhouse.sh -> .cache/wheelhouse,
-# ~41 MiB), carry .cache/wheelhouse with the work tree (64 MiB in all), and run
+# ~38 MiB), carry .cache/wheelhouse with the work tree (64 MiB in all), and run
 #   test/manual/kvcr_direct_linker/gpu_check.sh --wheelhouse .cache/wheelhouse
-# (about 8 minutes at most; the reports come back under $OUT/gpu_check).
+# All of it fits one call of at most 8 minutes: the install and every stage keep their
+# own timeout, and on the GPU a stage never runs past the 480 s budget counted from the
+# start (GPU_CHECK_DEADLINE_S; a stage with no time left fails at once). The reports
+# come back under $OUT/gpu_check.
 #
 # Stages: each runs under `timeout`, prints one `STAGE <name> PASS|FAIL ...` line and
 # writes <report dir>/<name>.log; a failed stage does not stop the later ones.
 #   env         python/torch/CUDA device + driver (nvidia-smi), imports: sgl_kernel
 #               (Python-only + start-up hook), IPython.display, sglang, kvcr, nixl,
 #               sglang.srt.mem_cache.storage.kvcr (+ entry point), SGLang's server
-#               modules; a NIXL UCX DRAM loopback WRITE; with --wheelhouse the carry
-#               size (work tree + wheelhouse <= 64 MiB).
-#   gpu-tests   python -m pytest -m gpu test/registered/unit/mem_cache/kvcr (no CUDA: the
-#               tests are deselected, pytest exits 5, expected only in --dry-run)
+#               modules; a NIXL UCX DRAM loopback WRITE; with a wheelhouse the carry
+#               size (work tree + wheelhouse <= 64 MiB) and that it holds nothing the
+#               host has.
+#   warmup      kvcr_warmup.py: every bench model's server (Qwen3-0.6B, DeepSeek-V2-Lite
+#               MLA and sliding-window geometries, --load-format dummy, the linker on)
+#               started at once, one request each, so SGLang's JIT (nvcc) and Triton
+#               compile once into the caches below and later stages start warm. Off
+#               the GPU: a CPU server start with the linker (dry run: all three).
+#   gpu-tests   python -m pytest -m gpu test/registered/unit/mem_cache/kvcr (where torch
+#               sees no CUDA device: their collection, cpu_harness/gpu_collection.py,
+#               which passes when gpu tests were found and every module imported).
+#   gpu-tests-sanitizer  the same under PyTorch's CUDA sanitizer
+#               (TORCH_CUDA_SANITIZER=1: unsynchronized accesses across streams).
+#               Without a device the sanitizer cannot run (a CUDA build without a
+#               driver fails every tensor operation under it): the stage checks it
+#               is there and collects the tests without it.
 #   microbench  kvcr_microbench.py --device cuda (dry run: --device cpu --quick)
 #   bench       kvcr_bench.py --device cuda, configs none vs kvcr, workloads zero_hit,
 #               evict_replay and decode_itl, a Qwen3-0.6B-geometry model served with
 #               --load-format dummy, page 64, 3000-token prompts, 1 output token.
+#   bench-families  kvcr_family_bench.py: an MLA (DeepSeek-V2-Lite geometry) and a
+#               sliding-window model, each evicted and replayed from KVCR, the replay's
+#               greedy output equal to a recompute's.
 # Serving without the stock kernels (the wheelhouse's sgl_kernel has no .so):
 # SGLANG_KVCR_PY_ONLY_SGL_KERNEL=1 (test/cpu_harness/gpu_pythonpath/sitecustomize.py
 # makes `import sgl_kernel` succeed), SGLANG_FORCE_FUSED_OP_BACKEND=torch,
 # --attention-backend triton, --sampling-backend pytorch, CUDA graphs disabled.
 # Absolute TTFT is inflated by that stack: only ratios between arms mean anything.
+# Caches (cold start paid once, by warmup): SGLANG_JIT_CACHE_DIR, TRITON_CACHE_DIR,
+# CUDA_CACHE_PATH, XDG_CACHE_HOME, SGLANG_CACHE_DIR, HF_HOME, all under
+# $SGLANG_KVCR_CACHE_DIR/gpu_check_home (default .cache/ in the work tree).
 #
-# Overrides: GPU_CHECK_TIMEOUT_<STAGE> (ENV, GPU_TESTS, MICROBENCH, BENCH, INSTALL) in
-# seconds; GPU_CHECK_BENCH_ARGS / GPU_CHECK_MICROBENCH_ARGS append script flags,
+# Overrides: GPU_CHECK_TIMEOUT_<STEP OR STAGE> (HOST_ENV, WHEELHOUSE, INSTALL, ENV,
+# WARMUP, GPU_TESTS, GPU_TESTS_SANITIZER, MICROBENCH, BENCH, BENCH_FAMILIES) in
+# seconds; GPU_CHECK_DEADLINE_S (0: none); GPU_CHECK_BENCH_ARGS /
+# GPU_CHECK_MICROBENCH_ARGS / GPU_CHECK_FAMILY_ARGS append script flags,
 # GPU_CHECK_SERVER_ARGS appends launch_server flags, GPU_CHECK_ATTENTION_BACKEND
 # replaces triton (e.g. torch_native, should Triton not compile on the host).
 # Exit: 0 all stages passed, 1 a stage failed, 2 bad usage.
@@ -56,28 +92,42 @@ SELF=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}
 REPO=$(cd "$(dirname "$SELF")/../../.." && pwd)
 HARNESS=$REPO/test/cpu_harness
 MANUAL=$REPO/test/manual/kvcr_direct_linker
-ALL_STAGES=(env gpu-tests microbench bench)
+ALL_STAGES=(env warmup gpu-tests gpu-tests-sanitizer microbench bench bench-families)
+EMULATE_STAGES=(env warmup gpu-tests gpu-tests-sanitizer)
 CARRY_LIMIT_MIB=64
-TOTAL_BUDGET_S=480 # the stages' timeouts together on the GPU (install excluded)
+GPU_DEADLINE_S=480 # one device call: the install and every stage, from the start
+STOP_GRACE_S=25    # timeout's SIGKILL grace (20 s) + the leftover sweep (5 s)
 
 usage() { sed -n '2,/^set -euo pipefail$/p' "$SELF" | sed '$d' | sed 's/^# \{0,1\}//'; }
 die_usage() { echo "gpu_check: $*" >&2; echo "run with --help for usage" >&2; exit 2; }
 
-# Per-stage timeouts (seconds): GPU run, dry run.
+# Per-step and per-stage timeouts (seconds): GPU run, dry run, emulated host.
 stage_timeout() { # NAME
-  local name=$1 var gpu dry
+  local name=$1 var gpu dry emu
   case "$name" in
-    install) gpu=60 dry=0 ;;
-    env) gpu=60 dry=120 ;;
-    gpu-tests) gpu=90 dry=180 ;;
-    microbench) gpu=100 dry=540 ;;
-    bench) gpu=220 dry=420 ;;
+    host-env) gpu=0 dry=0 emu=1800 ;;
+    wheelhouse) gpu=0 dry=0 emu=600 ;;
+    install) gpu=30 dry=0 emu=180 ;;
+    env) gpu=25 dry=120 emu=180 ;;
+    warmup) gpu=90 dry=600 emu=420 ;;
+    gpu-tests) gpu=40 dry=180 emu=240 ;;
+    gpu-tests-sanitizer) gpu=50 dry=180 emu=240 ;;
+    microbench) gpu=60 dry=540 emu=540 ;;
+    bench) gpu=95 dry=420 emu=420 ;;
+    bench-families) gpu=60 dry=600 emu=600 ;;
     *) echo 0; return ;;
   esac
   var=GPU_CHECK_TIMEOUT_$(echo "$name" | tr 'a-z-' 'A-Z_')
   if [ -n "${!var:-}" ]; then echo "${!var}"
   elif [ "$MODE" = dry-run ]; then echo "$dry"
+  elif [ "$MODE" = emulate-host ]; then echo "$emu"
   else echo "$gpu"; fi
+}
+
+deadline_s() { # the whole run's budget in seconds; 0: none
+  if [ -n "${GPU_CHECK_DEADLINE_S:-}" ]; then echo "$GPU_CHECK_DEADLINE_S"
+  elif [ "$MODE" = gpu ]; then echo "$GPU_DEADLINE_S"
+  else echo 0; fi
 }
 
 # ---- internal: one stage body, run by run_stage under `timeout` --------------------
@@ -107,28 +157,65 @@ carry_size() { # prints one CARRY line; exit 1 when over the limit
   [ "$verdict" = OK ]
 }
 
+gpu_server_flags() { # launch_server flags of every GPU server (no stock kernels)
+  echo "--attention-backend ${GPU_CHECK_ATTENTION_BACKEND:-triton} --sampling-backend pytorch --cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled${GPU_CHECK_SERVER_ARGS:+ $GPU_CHECK_SERVER_ARGS}"
+}
+
+cpu_server_flags() {
+  echo "--sampling-backend pytorch --cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled${GPU_CHECK_SERVER_ARGS:+ $GPU_CHECK_SERVER_ARGS}"
+}
+
 stage_env() {
   local rc=0 args=(--report "$REPORTS/env.json")
   [ "$MODE" = gpu ] && args+=(--expect-cuda)
   "$PY" "$HARNESS/gpu_env_check.py" "${args[@]}" || rc=1
-  if [ -n "$WHEELHOUSE" ]; then carry_size "$WHEELHOUSE" || rc=1; fi
+  if [ -n "$WHEELHOUSE" ]; then
+    carry_size "$WHEELHOUSE" || rc=1
+    if "$PY" "$HARNESS/wheelhouse_rule.py" check "$WHEELHOUSE"; then
+      echo "WHEELHOUSE OK nothing in it that the host has (device_packages.txt)"
+    else
+      echo "WHEELHOUSE FAIL it carries packages the host has"; rc=1
+    fi
+  fi
   return $rc
 }
 
-stage_gpu_tests() {
+stage_warmup() {
   cd "$REPO"
-  local rc=0
-  "$PY" -m pytest -m gpu test/registered/unit/mem_cache/kvcr -p no:cacheprovider -q \
-    --junitxml "$REPORTS/gpu_tests.xml" || rc=$?
-  if [ "$rc" -eq 5 ]; then
-    if [ "$MODE" = dry-run ]; then
-      echo "gpu-tests: pytest exit 5 (no gpu tests collected without CUDA): expected in --dry-run"
-      return 0
-    fi
-    echo "gpu-tests: pytest exit 5: no gpu tests ran on the GPU host"
-    return 1
+  local args
+  if [ "$MODE" = gpu ]; then
+    args=(--device cuda --scale full --models qwen3,mla,swa --page-size 64
+      --prompt-len 1024 --output-len 8 --startup-timeout 75 --request-timeout 40
+      --server-args "$(gpu_server_flags) --mem-fraction-static 0.25")
+  else
+    local models=qwen3
+    [ "$MODE" = dry-run ] && models=qwen3,mla,swa
+    args=(--device cpu --scale dry-run --models "$models" --page-size 16
+      --prompt-len 256 --output-len 4 --startup-timeout 400 --request-timeout 120
+      --server-args "$(cpu_server_flags)")
   fi
-  return "$rc"
+  "$PY" "$MANUAL/kvcr_warmup.py" "${args[@]}" --report "$REPORTS/kvcr_warmup.json"
+}
+
+run_gpu_tests() { # JUNIT_NAME [ENV=VALUE...]: the gpu tests, or their collection
+  cd "$REPO"
+  local junit=$1 rc=0
+  shift
+  if [ "$MODE" = gpu ]; then
+    env "$@" "$PY" -m pytest -m gpu test/registered/unit/mem_cache/kvcr -p no:cacheprovider -q \
+      --junitxml "$REPORTS/$junit.xml" || rc=$?
+    if [ "$rc" -eq 5 ]; then echo "gpu-tests: pytest exit 5: no gpu tests ran on the GPU host"; return 1; fi
+    return "$rc"
+  fi
+  # No CUDA here: every gpu test is deselected; collect them under this interpreter.
+  # The sanitizer needs a device (on a CUDA build without a driver it fails every
+  # tensor operation): check it is there, and collect without it.
+  if [ "$junit" = gpu_tests_sanitizer ]; then
+    "$PY" -c 'import torch, torch.cuda._sanitizer as s; assert callable(s.enable_cuda_sanitizer); print(f"gpu-tests: CUDA sanitizer present in torch {torch.__version__}; TORCH_CUDA_SANITIZER=1 needs a CUDA device, not set here")' || return 1
+  fi
+  PYTHONPATH="$REPO/test:$PYTHONPATH" \
+    "$PY" -m pytest -m gpu test/registered/unit/mem_cache/kvcr --collect-only \
+    -p no:cacheprovider -q -p cpu_harness.gpu_collection
 }
 
 stage_microbench() {
@@ -152,9 +239,9 @@ stage_microbench() {
   rm -f "$report"
   # shellcheck disable=SC2086
   "$PY" "$script" "${args[@]}" ${GPU_CHECK_MICROBENCH_ARGS:-} || rc=$?
-  [ "$rc" -ne 0 ] && [ "$MODE" = dry-run ] || return "$rc"
-  # The dry run tests this script's plumbing on a small, often shared CPU: a complete
-  # report with missed performance targets is informational there, not a failure.
+  [ "$rc" -ne 0 ] && [ "$MODE" != gpu ] || return "$rc"
+  # Off the GPU this tests the script's plumbing on a small, often shared CPU: a
+  # complete report with missed performance targets is informational there.
   "$PY" - "$report" "$rc" <<'PYEOF'
 import json, sys
 path, rc = sys.argv[1], sys.argv[2]
@@ -165,43 +252,41 @@ except (OSError, ValueError, KeyError) as exc:
     sys.exit(1)
 missed = [m["name"] for m in metrics if m.get("passed") is False or m.get("error")]
 print(f"microbench: exit {rc} with a complete report ({len(metrics)} metrics); "
-      f"missed or errored on this CPU (informational in --dry-run): {missed}")
+      f"missed or errored on this CPU (informational off the GPU): {missed}")
 PYEOF
 }
 
 stage_bench() {
   cd "$REPO"
   local model server_args args
-  local no_graphs="--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled"
   if [ "$MODE" = gpu ]; then
     model=$REPO/.cache/gpu_check_models/qwen3-0.6b-geometry
     "$PY" "$HARNESS/qwen3_geometry_model.py" "$model"
-    server_args="--load-format dummy --attention-backend ${GPU_CHECK_ATTENTION_BACKEND:-triton} --sampling-backend pytorch $no_graphs --mem-fraction-static 0.5"
+    server_args="--load-format dummy $(gpu_server_flags) --mem-fraction-static 0.5"
     args=(--device cuda --model-path "$model" --page-size 64 --prompt-len 3000 --output-len 1
-      --max-total-tokens 7000 --reps 2 --zero-hit-per-rep 2 --warmup 1
-      --itl-rounds 4 --itl-output-len 96
-      --startup-timeout 100 --request-timeout 60 --stats-wait-s 35
+      --max-total-tokens 7000 --reps 1 --zero-hit-per-rep 2 --warmup 1
+      --itl-rounds 2 --itl-output-len 64
+      --startup-timeout 60 --request-timeout 30 --stats-wait-s 32
       --report "$REPORTS/kvcr_bench_cuda.json")
   else
     # Qwen3 architecture, vocab and tokenizer as on the GPU, geometry scaled down.
     model=$REPO/.cache/gpu_check_models/qwen3-dry-run
     "$PY" "$HARNESS/qwen3_geometry_model.py" "$model" --layers 2 --hidden 64 --heads 4 \
       --kv-heads 2 --head-dim 16 --intermediate 128 --max-positions 8192
-    server_args="--load-format dummy --sampling-backend pytorch $no_graphs"
+    server_args="--load-format dummy $(cpu_server_flags)"
     args=(--device cpu --model-path "$model" --page-size 16 --prompt-len 256 --output-len 1
       --reps 1 --zero-hit-per-rep 2 --warmup 1 --itl-rounds 2 --itl-output-len 64
       --startup-timeout 150
       --request-timeout 60 --stats-wait-s 35 --report "$REPORTS/kvcr_bench_cpu.json")
   fi
-  server_args+=${GPU_CHECK_SERVER_ARGS:+ $GPU_CHECK_SERVER_ARGS}
   local report=${args[-1]} rc=0
   rm -f "$report"
   # shellcheck disable=SC2086
   "$PY" "$MANUAL/kvcr_bench.py" "${args[@]}" --configs none,kvcr \
     --workloads zero_hit,evict_replay,decode_itl --server-args "$server_args" \
     ${GPU_CHECK_BENCH_ARGS:-} || rc=$?
-  [ "$rc" -ne 0 ] && [ "$MODE" = dry-run ] || return "$rc"
-  # As for the microbench: in the dry run a ratio target missed on a small shared
+  [ "$rc" -ne 0 ] && [ "$MODE" != gpu ] || return "$rc"
+  # As for the microbench: off the GPU a ratio target missed on a small shared
   # CPU is informational; a functional check or a failed configuration is not.
   "$PY" - "$report" "$rc" <<'PYEOF'
 import json, sys
@@ -218,9 +303,24 @@ hard = [f for f in body.get("failures", []) if "(target" not in f]
 if broken or hard:
     print(f"bench: exit {rc}: failed checks {broken}, failures {hard}")
     sys.exit(1)
-print(f"bench: exit {rc}; ratio targets missed on this CPU (informational in "
-      f"--dry-run): {missed}")
+print(f"bench: exit {rc}; ratio targets missed on this CPU (informational off "
+      f"the GPU): {missed}")
 PYEOF
+}
+
+stage_bench_families() {
+  cd "$REPO"
+  local args
+  if [ "$MODE" = gpu ]; then
+    args=(--device cuda --scale full --prompt-len 1024 --startup-timeout 45
+      --server-args "$(gpu_server_flags) --mem-fraction-static 0.3")
+  else
+    args=(--device cpu --scale dry-run --startup-timeout 400
+      --server-args "$(cpu_server_flags)")
+  fi
+  # shellcheck disable=SC2086
+  "$PY" "$MANUAL/kvcr_family_bench.py" "${args[@]}" \
+    --report "$REPORTS/kvcr_family_bench.json" ${GPU_CHECK_FAMILY_ARGS:-}
 }
 
 # Everything below runs from main(), parsed whole before it starts: editing this file
@@ -229,9 +329,12 @@ main() {
   if [ "${1:-}" = __stage ]; then # internal entry point: run one stage body
     case "${2:-}" in
       env) stage_env ;;
-      gpu-tests) stage_gpu_tests ;;
+      warmup) stage_warmup ;;
+      gpu-tests) run_gpu_tests gpu_tests ;;
+      gpu-tests-sanitizer) run_gpu_tests gpu_tests_sanitizer TORCH_CUDA_SANITIZER=1 ;;
       microbench) stage_microbench ;;
       bench) stage_bench ;;
+      bench-families) stage_bench_families ;;
       *) echo "gpu_check: unknown internal stage ${2:-}" >&2; exit 2 ;;
     esac
     exit $?
@@ -239,11 +342,15 @@ main() {
 
   # ---- arguments ----------------------------------------------------------------------
 
-  MODE=gpu WHEELHOUSE="" STAGES_ARG="" STAGES_SET=0 LIST=0 REPORTS="" PY=""
+  MODE=gpu WHEELHOUSE="" STAGES_ARG="" STAGES_SET=0 LIST=0 REPORTS="" PY="" MODES=0
+  EMULATE_DIR=${GPU_CHECK_EMULATE_DIR:-$(dirname "$REPO")/.cache-emulate}
   while [ $# -gt 0 ]; do
     case "$1" in
       -h|--help) usage; exit 0 ;;
-      --dry-run) MODE=dry-run ;;
+      --dry-run) MODE=dry-run; MODES=$((MODES + 1)) ;;
+      --emulate-host) MODE=emulate-host; MODES=$((MODES + 1)) ;;
+      --emulate-dir) [ $# -ge 2 ] || die_usage "--emulate-dir needs a directory"; EMULATE_DIR=$2; shift ;;
+      --emulate-dir=*) EMULATE_DIR=${1#*=} ;;
       --wheelhouse) [ $# -ge 2 ] || die_usage "--wheelhouse needs a directory"; WHEELHOUSE=$2; shift ;;
       --wheelhouse=*) WHEELHOUSE=${1#*=} ;;
       --stages) [ $# -ge 2 ] || die_usage "--stages needs a list"; STAGES_ARG=$2; STAGES_SET=1; shift ;;
@@ -258,13 +365,23 @@ main() {
     shift
   done
 
+  [ "$MODES" -le 1 ] || die_usage "choose one of --dry-run and --emulate-host"
   if [ "$MODE" = dry-run ] && [ -n "$WHEELHOUSE" ]; then
     die_usage "--dry-run uses .venv and installs nothing: drop --wheelhouse"
   fi
   if [ "$MODE" = gpu ] && [ -z "$WHEELHOUSE" ] && [ "$LIST" = 0 ]; then
-    die_usage "the GPU run needs --wheelhouse DIR (or use --dry-run here)"
+    die_usage "the GPU run needs --wheelhouse DIR (or use --dry-run or --emulate-host here)"
   fi
-  if [ -n "$WHEELHOUSE" ]; then
+  if [ "$MODE" = emulate-host ]; then
+    case "$EMULATE_DIR" in /*) ;; *) EMULATE_DIR=$PWD/$EMULATE_DIR ;; esac
+    case "$EMULATE_DIR/" in "$REPO"/*) die_usage "--emulate-dir $EMULATE_DIR lies in the repository (it would travel)" ;; esac
+    BUILD_WHEELHOUSE=0
+    if [ -z "$WHEELHOUSE" ]; then
+      WHEELHOUSE=$REPO/.cache/wheelhouse
+      compgen -G "$WHEELHOUSE/*.whl" >/dev/null || BUILD_WHEELHOUSE=1
+    fi
+  fi
+  if [ -n "$WHEELHOUSE" ] && [ "${BUILD_WHEELHOUSE:-0}" = 0 ]; then
     [ -d "$WHEELHOUSE" ] || die_usage "--wheelhouse $WHEELHOUSE: no such directory"
     WHEELHOUSE=$(cd "$WHEELHOUSE" && pwd)
     if [ "$LIST" = 0 ] && ! compgen -G "$WHEELHOUSE/*.whl" >/dev/null; then
@@ -274,7 +391,7 @@ main() {
 
   STAGES=()
   if [ "$STAGES_SET" = 0 ]; then
-    STAGES=("${ALL_STAGES[@]}")
+    if [ "$MODE" = emulate-host ]; then STAGES=("${EMULATE_STAGES[@]}"); else STAGES=("${ALL_STAGES[@]}"); fi
   else
     wanted=()
     IFS=, read -r -a wanted <<<"$STAGES_ARG" || true
@@ -288,48 +405,70 @@ main() {
   fi
 
   if [ -z "$PY" ]; then
-    if [ "$MODE" = dry-run ]; then PY=$REPO/.venv/bin/python; else PY=python3; fi
+    case "$MODE" in
+      dry-run) PY=$REPO/.venv/bin/python ;;
+      emulate-host) PY=$EMULATE_DIR/host-py312/bin/python ;;
+      *) PY=python3 ;;
+    esac
   fi
   if [ -z "$REPORTS" ]; then
     if [ -n "${OUT:-}" ]; then REPORTS=$OUT/gpu_check; else REPORTS=$REPO/.cache/gpu_check; fi
   fi
   case "$REPORTS" in /*) ;; *) REPORTS=$PWD/$REPORTS ;; esac
   SITE=${GPU_CHECK_SITE:-$REPO/.cache/gpu_check_site}
+  STEPS=()
+  if [ "$MODE" = emulate-host ]; then
+    STEPS+=(host-env)
+    [ "${BUILD_WHEELHOUSE:-0}" = 1 ] && STEPS+=(wheelhouse)
+  fi
+  [ -n "$WHEELHOUSE" ] && STEPS+=(install)
+  DEADLINE=$(deadline_s)
+  export SGLANG_KVCR_CACHE_DIR=${SGLANG_KVCR_CACHE_DIR:-$REPO/.cache}
+  HOME_SCRATCH=$SGLANG_KVCR_CACHE_DIR/gpu_check_home
 
   if [ "$LIST" = 1 ]; then
     echo "mode: $MODE"
     echo "python: $PY"
     echo "report dir: $REPORTS"
+    echo "caches: $HOME_SCRATCH"
+    [ "$MODE" = emulate-host ] && echo "emulate dir: $EMULATE_DIR"
     [ -n "$WHEELHOUSE" ] && echo "wheelhouse: $WHEELHOUSE -> $SITE"
     total=0
-    [ -n "$WHEELHOUSE" ] && echo "step install timeout $(stage_timeout install)s"
+    for s in "${STEPS[@]}"; do
+      t=$(stage_timeout "$s"); total=$((total + t))
+      echo "step $s timeout ${t}s"
+    done
     for s in "${STAGES[@]}"; do
       t=$(stage_timeout "$s"); total=$((total + t))
       echo "stage $s timeout ${t}s"
     done
-    echo "total stage timeout ${total}s"
-    if [ "$MODE" = gpu ] && [ "$total" -gt "$TOTAL_BUDGET_S" ]; then
-      echo "warning: over the ${TOTAL_BUDGET_S}s GPU budget"
+    echo "total timeout ${total}s"
+    if [ "$DEADLINE" -gt 0 ]; then
+      echo "budget ${DEADLINE}s"
+      [ "$total" -le "$DEADLINE" ] || echo "warning: the timeouts add up to more than the ${DEADLINE}s budget: the last stages get what is left"
     fi
     exit 0
   fi
 
   # ---- environment --------------------------------------------------------------------
 
+  START=$(date +%s)
   mkdir -p "$REPORTS"
   REPORTS=$(cd "$REPORTS" && pwd)
   : > "$REPORTS/summary.txt"
   export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-WARN}
-  export SGLANG_KVCR_CACHE_DIR=${SGLANG_KVCR_CACHE_DIR:-$REPO/.cache}
-  export HOME_SCRATCH=$SGLANG_KVCR_CACHE_DIR/gpu_check_home
+  export HOME_SCRATCH
   mkdir -p "$HOME_SCRATCH"
+  # Every cache a cold start fills, in the work tree (warmup fills them once).
   export SGLANG_CACHE_DIR=${SGLANG_CACHE_DIR:-$HOME_SCRATCH/sglang}
-  export HF_HOME=${HF_HOME:-$HOME_SCRATCH/hf} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+  export SGLANG_JIT_CACHE_DIR=${SGLANG_JIT_CACHE_DIR:-$HOME_SCRATCH/sglang-jit}
   export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME_SCRATCH/triton}
+  export CUDA_CACHE_PATH=${CUDA_CACHE_PATH:-$HOME_SCRATCH/cuda-compute-cache}
+  export XDG_CACHE_HOME=${XDG_CACHE_HOME:-$HOME_SCRATCH/xdg}
+  export HF_HOME=${HF_HOME:-$HOME_SCRATCH/hf} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
   export PYTHONUNBUFFERED=1
   export SGLANG_KVCR_PY_ONLY_SGL_KERNEL=1 SGLANG_FORCE_FUSED_OP_BACKEND=torch
   unset SGLANG_USE_CPU_ENGINE # the CPU harness sets it per server; never globally
-  START=$(date +%s)
   FAILED=()
 
   # End the processes a stage left behind, found by the GPU_CHECK_RUN token in their
@@ -355,9 +494,25 @@ main() {
     [ "$2" = PASS ] || FAILED+=("$1")
   }
 
+  budgeted() { # NAME: its timeout, cut to what the run's budget has left ("" if none)
+    local t left
+    t=$(stage_timeout "$1")
+    [ "$DEADLINE" -gt 0 ] || { echo "$t"; return; }
+    left=$((DEADLINE - ($(date +%s) - START) - STOP_GRACE_S))
+    [ "$left" -ge 10 ] || { echo ""; return; }
+    [ "$left" -lt "$t" ] && t=$left
+    echo "$t"
+  }
+
   run_stage() { # NAME: the stage body under timeout, in a child bash (functions included)
     local name=$1 t rc=0 t0 secs note=""
-    t=$(stage_timeout "$name")
+    t=$(budgeted "$name")
+    if [ -z "$t" ]; then
+      echo "== stage $name: no time left in the ${DEADLINE}s budget"
+      : > "$REPORTS/$name.log"
+      record "$name" FAIL 124 0 "not run: no time left in the ${DEADLINE}s budget"
+      return
+    fi
     echo "== stage $name (timeout ${t}s) $(date -u +%H:%M:%S)"
     t0=$(date +%s)
     # SIGINT first: the Python drivers then stop the servers they started (their
@@ -366,27 +521,57 @@ main() {
       timeout -s INT -k 20 "$t" bash "$SELF" __stage "$name" > "$REPORTS/$name.log" 2>&1 || rc=$?
     secs=$(( $(date +%s) - t0 ))
     sweep "$$-$name"
-    grep -E '^(REPORT|CARRY|NIXL_LOOPBACK|microbench:|gpu-tests:|\[env\] (PASS|FAIL))|^(FAILED|ERROR) |passed|failed' \
+    grep -E '^(REPORT|CARRY|WHEELHOUSE|NIXL_LOOPBACK|microbench:|bench:|gpu-tests:|warmup |family |\[env\] (PASS|FAIL))|^(FAILED|ERROR) |passed|failed' \
       "$REPORTS/$name.log" | tail -n 8 | sed 's/^/   /' || true
     case "$rc" in 124|137) note="timed out after ${t}s" ;; esac
     if [ "$rc" -eq 0 ]; then record "$name" PASS 0 "$secs"
     else record "$name" FAIL "$rc" "$secs" "${note:-see log}"; tail -n 15 "$REPORTS/$name.log" | sed 's/^/   | /'; fi
   }
 
-  PP=("$HARNESS/gpu_pythonpath" "$HARNESS/pythonpath")
+  step() { # NAME COMMAND...: a preparation step under its timeout, logged like a stage
+    local name=$1 t rc=0 t0
+    shift
+    t=$(budgeted "$name")
+    [ -n "$t" ] || t=1
+    echo "== $name (timeout ${t}s) $(date -u +%H:%M:%S)"
+    t0=$(date +%s)
+    timeout -k 10 "$t" "$@" > "$REPORTS/$name.log" 2>&1 || rc=$?
+    grep -vE '^WARNING: Location' "$REPORTS/$name.log" | tail -n 4 | sed 's/^/   /' || true
+    if [ "$rc" -eq 0 ]; then record "$name" PASS 0 $(( $(date +%s) - t0 ))
+    else record "$name" FAIL "$rc" $(( $(date +%s) - t0 )); tail -n 15 "$REPORTS/$name.log" | sed 's/^/   | /'; fi
+    return "$rc"
+  }
+
+  # The GPU start-up shim (gpu_pythonpath) puts the CPU harness's directory at the END
+  # of sys.path when it needs it: ahead of site-packages, its torchvision stand-in
+  # would shadow the host's torchvision. The dry run's .venv has no torchvision.
+  PP=("$HARNESS/gpu_pythonpath")
+  [ "$MODE" = dry-run ] && PP+=("$HARNESS/pythonpath")
+  if [ "$MODE" = emulate-host ]; then
+    if ! step host-env bash "$MANUAL/emulate_host_env.sh" "$EMULATE_DIR"; then
+      echo "GPU_CHECK FAIL: host-env (no emulated host environment)" | tee -a "$REPORTS/summary.txt"
+      exit 1
+    fi
+    if [ "${BUILD_WHEELHOUSE:-0}" = 1 ]; then
+      step wheelhouse bash "$MANUAL/build_wheelhouse.sh" "$WHEELHOUSE" "$EMULATE_DIR/wheelhouse-raw" || true
+    fi
+  fi
   if [ -n "$WHEELHOUSE" ]; then
-    t=$(stage_timeout install)
+    t=$(budgeted install); [ -n "$t" ] || t=1
     echo "== install $WHEELHOUSE -> $SITE (timeout ${t}s)"
     wheels=()
-    for w in "$WHEELHOUSE"/*.whl; do
-      case "$(basename "$w")" in
-        torch-*|triton-*|nvidia_*|torchvision-*|torchaudio-*) echo "   refusing $(basename "$w"): the host's own build stays" ;;
-        *) wheels+=("$w") ;;
+    while IFS= read -r line; do
+      case "$line" in
+        refusing\ *) echo "   $line" ;;
+        *) wheels+=("$line") ;;
       esac
-    done
+    done < <(python3 "$HARNESS/wheelhouse_rule.py" split "$WHEELHOUSE"/*.whl 2>/dev/null \
+      || "$PY" "$HARNESS/wheelhouse_rule.py" split "$WHEELHOUSE"/*.whl)
     rm -rf "$SITE"; mkdir -p "$SITE"
     t0=$(date +%s); rc=0
-    if timeout 60 "$PY" -m pip --version > "$REPORTS/install.log" 2>&1; then
+    if [ "${#wheels[@]}" -eq 0 ]; then
+      echo "no wheel to install" > "$REPORTS/install.log"; rc=1
+    elif timeout 60 "$PY" -m pip --version > "$REPORTS/install.log" 2>&1; then
       timeout -k 10 "$t" "$PY" -m pip install --disable-pip-version-check --no-index --no-deps --no-compile \
         --target "$SITE" "${wheels[@]}" >> "$REPORTS/install.log" 2>&1 || rc=$?
     else # no pip on the host: a --no-deps --target install is an unzip (+ .data/*lib)
@@ -414,8 +599,13 @@ main() {
   fi
   PYTHONPATH=$(IFS=:; echo "${PP[*]}")${PYTHONPATH:+:$PYTHONPATH}
   export PYTHONPATH
+  # The servers the drivers start run under the same interpreter (not the .venv's).
+  export SGLANG_KVCR_SERVER_PYTHON=$PY
   echo "gpu_check: mode=$MODE python=$PY reports=$REPORTS stages=${STAGES[*]}"
   echo "gpu_check: PYTHONPATH=$PYTHONPATH"
+  budget_note=""
+  [ "$DEADLINE" -gt 0 ] && budget_note=", budget ${DEADLINE}s from the start"
+  echo "gpu_check: caches under $HOME_SCRATCH$budget_note"
 
   for s in "${STAGES[@]}"; do run_stage "$s"; done
 

@@ -19,7 +19,22 @@ import pytest
 from cpu_harness.server import REPO
 
 SCRIPT = REPO / "test" / "manual" / "kvcr_direct_linker" / "gpu_check.sh"
-STAGES = ["env", "gpu-tests", "microbench", "bench"]
+STAGES = [
+    "env",
+    "warmup",
+    "gpu-tests",
+    "gpu-tests-sanitizer",
+    "microbench",
+    "bench",
+    "bench-families",
+]
+EMULATE_STAGES = ["env", "warmup", "gpu-tests", "gpu-tests-sanitizer"]
+TIMEOUT_VARS = (
+    "HOST_ENV",
+    "WHEELHOUSE",
+    "INSTALL",
+    *(s.upper().replace("-", "_") for s in STAGES),
+)
 
 
 def run(*args: str, env: dict[str, str] | None = None, timeout: float = 60):
@@ -50,12 +65,24 @@ def fake_dry_run(fake_python: Path, report_dir: Path, *args: str, **kw: Any):
 
 
 def plan(out: str) -> dict[str, str]:
-    lines = [ln for ln in out.splitlines() if ": " in ln and not ln.startswith("stage")]
+    lines = [
+        ln
+        for ln in out.splitlines()
+        if ": " in ln and not ln.startswith(("stage", "step", "warning"))
+    ]
     return dict(ln.split(": ", 1) for ln in lines)
 
 
 def stage_lines(out: str) -> list[str]:
     return [ln for ln in out.splitlines() if ln.startswith("stage ")]
+
+
+def step_lines(out: str) -> list[str]:
+    return [ln for ln in out.splitlines() if ln.startswith("step ")]
+
+
+def seconds(line: str) -> int:
+    return int(line.split()[-1].rstrip("s"))
 
 
 def test_bash_syntax() -> None:
@@ -86,7 +113,18 @@ def test_help_names_every_stage_and_option() -> None:
     proc = run("--help")
     assert proc.returncode == 0, proc.stderr
     assert "Usage:" in proc.stdout
-    for word in (*STAGES, "--wheelhouse", "--dry-run", "--stages", "--list-stages"):
+    for word in (
+        *STAGES,
+        "--wheelhouse",
+        "--dry-run",
+        "--emulate-host",
+        "--emulate-dir",
+        "--stages",
+        "--list-stages",
+        "TORCH_CUDA_SANITIZER=1",
+        "SGLANG_JIT_CACHE_DIR",
+        "TRITON_CACHE_DIR",
+    ):
         assert word in proc.stdout, word
     assert "set -euo pipefail" not in proc.stdout
 
@@ -112,19 +150,58 @@ def test_report_dir_follows_out_then_flag(tmp_path: Path) -> None:
     assert plan(proc.stdout)["report dir"] == str(mine)
 
 
-def test_gpu_plan_fits_the_budget(tmp_path: Path) -> None:
+def test_gpu_plan_fits_one_eight_minute_call(tmp_path: Path) -> None:
+    """The install and every stage keep their own timeout, and together they fit
+    the 480 s budget of one device call (so no stage is cut short by design)."""
     proc = run("--list-stages", "--wheelhouse", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     info = plan(proc.stdout)
     assert info["mode"] == "gpu" and info["python"] == "python3"
-    assert "step install timeout" in proc.stdout
-    total = sum(
-        int(ln.split()[-1].rstrip("s"))
-        for ln in stage_lines(proc.stdout)
-        if "timeout" in ln
+    assert [ln.split()[1] for ln in step_lines(proc.stdout)] == ["install"]
+    assert [ln.split()[1] for ln in stage_lines(proc.stdout)] == STAGES
+    lines = step_lines(proc.stdout) + stage_lines(proc.stdout)
+    total = sum(seconds(ln) for ln in lines)
+    assert all(seconds(ln) > 0 for ln in lines), proc.stdout
+    assert total <= 480 and f"total timeout {total}s" in proc.stdout, proc.stdout
+    assert "budget 480s" in proc.stdout and "warning" not in proc.stdout
+    assert info["caches"] == str(REPO / ".cache" / "gpu_check_home")
+
+
+def test_emulate_host_plan(tmp_path: Path) -> None:
+    """--emulate-host: the host env step, the wheelhouse build when none is given
+    (else the given one), the install, then the emulation's stages; its caches
+    must lie outside the repository (what lies in it travels to the GPU host)."""
+    emulate = tmp_path / "emu"
+    proc = run("--emulate-host", "--emulate-dir", str(emulate), "--list-stages")
+    assert proc.returncode == 0, proc.stderr
+    info = plan(proc.stdout)
+    assert info["mode"] == "emulate-host"
+    assert info["python"] == str(emulate / "host-py312" / "bin" / "python")
+    assert info["emulate dir"] == str(emulate)
+    steps = [ln.split()[1] for ln in step_lines(proc.stdout)]
+    has_wheels = any((REPO / ".cache" / "wheelhouse").glob("*.whl"))
+    assert steps == ["host-env", *([] if has_wheels else ["wheelhouse"]), "install"]
+    assert [ln.split()[1] for ln in stage_lines(proc.stdout)] == EMULATE_STAGES
+    assert "budget" not in proc.stdout  # off the GPU nothing is cut short
+    wheels = tmp_path / "wh"
+    wheels.mkdir()
+    proc = run(
+        "--emulate-host",
+        "--emulate-dir",
+        str(emulate),
+        "--wheelhouse",
+        str(wheels),
+        "--list-stages",
+        "--stages",
+        "bench-families,env",
     )
-    assert total <= 480, proc.stdout
-    assert f"total stage timeout {total}s" in proc.stdout
+    assert [ln.split()[1] for ln in step_lines(proc.stdout)] == ["host-env", "install"]
+    assert [ln.split()[1] for ln in stage_lines(proc.stdout)] == [
+        "env",
+        "bench-families",
+    ]
+    inside = run("--emulate-host", "--emulate-dir", str(REPO / ".cache" / "x"))
+    assert inside.returncode == 2 and "lies in the repository" in inside.stderr
 
 
 def test_stage_subset_keeps_order_and_timeout_override() -> None:
@@ -154,14 +231,14 @@ def test_stage_subset_keeps_order_and_timeout_override() -> None:
         ["--wheelhouse"],
         ["--dry-run", "--stages", ","],
         ["--dry-run", "--stages="],
+        ["--dry-run", "--emulate-host"],
+        ["--emulate-host", "--emulate-dir"],
+        ["--emulate-host", "--wheelhouse", "/nonexistent/wheelhouse"],
     ],
 )
 def test_bad_usage_exits_2(args: list[str], tmp_path: Path) -> None:
     # Should a usage error slip through, the run it starts stays short and local.
-    short = {
-        f"GPU_CHECK_TIMEOUT_{s}": "3"
-        for s in ("INSTALL", "ENV", "GPU_TESTS", "MICROBENCH", "BENCH")
-    }
+    short = {f"GPU_CHECK_TIMEOUT_{s}": "3" for s in TIMEOUT_VARS}
     proc = run(
         *args,
         env={"OUT": str(tmp_path), "GPU_CHECK_SITE": str(tmp_path / "site"), **short},
@@ -192,12 +269,13 @@ def test_failures_continue_and_exit_nonzero(tmp_path: Path, fake_python: Path) -
     reports = tmp_path / "reports"
     proc = fake_dry_run(fake_python, reports, env={"FAKE_RC": "5"})
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    # pytest's exit 5 (no gpu tests without CUDA) is expected in the dry run only.
+    # Without CUDA the gpu stages collect: pytest's exit 5 is a failure unless the
+    # collection plugin found gpu tests (which the fake interpreter never does).
     assert "STAGE env FAIL rc=1" in proc.stdout
-    assert "STAGE gpu-tests PASS" in proc.stdout
+    assert "STAGE gpu-tests FAIL rc=5" in proc.stdout
     assert "STAGE microbench FAIL rc=1" in proc.stdout
     assert "STAGE bench FAIL rc=5" in proc.stdout
-    assert "GPU_CHECK FAIL: env microbench bench" in proc.stdout
+    assert f"GPU_CHECK FAIL: {' '.join(STAGES)}" in proc.stdout
 
 
 def test_gpu_mode_install_and_no_gpu_tests_fail(
@@ -239,6 +317,25 @@ def test_stage_timeout_is_enforced(tmp_path: Path, fake_python: Path) -> None:
     assert (
         "STAGE env FAIL rc=124" in proc.stdout and "timed out after 1s" in proc.stdout
     )
+
+
+def test_a_stage_never_runs_past_the_budget(tmp_path: Path, fake_python: Path) -> None:
+    """With a budget (the GPU run's 480 s, here 36 s), a stage's timeout is cut to
+    what is left of it less the stop grace (25 s), and a stage with under 10 s
+    left is not started: it fails at once, so the call ends inside its limit."""
+    proc = fake_dry_run(
+        fake_python,
+        tmp_path,
+        "--stages",
+        "env,bench",
+        env={"GPU_CHECK_DEADLINE_S": "36", "FAKE_SLEEP": "3"},
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    cut = re.search(r"== stage env \(timeout (\d+)s\)", proc.stdout)
+    assert cut and 9 <= int(cut.group(1)) <= 11, proc.stdout
+    assert "STAGE env PASS" in proc.stdout
+    assert "STAGE bench FAIL rc=124 0s" in proc.stdout
+    assert "no time left in the 36s budget" in proc.stdout
 
 
 def test_leftover_processes_are_ended(tmp_path: Path, fake_python: Path) -> None:

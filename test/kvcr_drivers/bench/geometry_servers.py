@@ -1,0 +1,75 @@
+"""KVCR-linker servers of the GPU check's model geometries (``kvcr_warmup.py`` and
+``kvcr_family_bench.py``).
+
+``launch`` starts, without waiting, one SGLang server with the KVCR linker on a
+``geometry_models`` directory (``qwen3``, ``mla``, ``swa``; ``full`` on the GPU,
+``dry-run`` scaled down on CPU) with ``--load-format dummy`` and the harness's
+fan-in-scaled dummy weights (``SGLANG_KVCR_DUMMY_WEIGHTS=fan_in``: greedy outputs
+then tell a right KV restore from a wrong one). Its device pool holds four prompts
+(as ``kvcr_servers.launch_linker``'s), and the handle carries what
+``kvcr_servers.family_round_trip`` reads (``family``, ``model_config``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cpu_harness import geometry_models, kvcr_servers
+from cpu_harness import server as harness
+from kvcr_drivers.bench.serving import kvcr_linker_config, server_env
+
+DUMMY_ENV = {"SGLANG_KVCR_DUMMY_WEIGHTS": "fan_in"}
+GIB = 1 << 30
+FAMILY_PAGE = kvcr_servers.PAGE  # what family_round_trip's checks count in
+
+
+def dram_bytes(device: str, scale: str) -> int:
+    """KVCR DRAM per server: room for the seed prompt and every filler."""
+    return 4 * GIB if (device == "cuda" and scale == "full") else 256 << 20
+
+
+def launch(
+    kind: str,
+    *,
+    scale: str,
+    device: str,
+    work: Path,
+    prompt_len: int,
+    page: int = FAMILY_PAGE,
+    server_args: Sequence[str] = (),
+    linker_config: dict[str, Any] | None = None,
+) -> Any:
+    """A ``kind`` server with the KVCR linker, started without waiting."""
+    root = harness.cache_dir() / "gpu_check_models"
+    model = geometry_models.ensure_geometry_model(kind, scale, root)
+    control_port = harness.free_port()
+    config = {
+        **kvcr_linker_config(dram_bytes(device, scale), 10000, linker_config or {}),
+        "control_port": control_port,
+    }
+    args = [
+        "--page-size",
+        str(page),
+        "--max-total-tokens",
+        str(4 * prompt_len),
+        "--max-running-requests",
+        "4",
+        "--chunked-prefill-size",
+        str(max(prompt_len, 512)),
+        "--load-format",
+        "dummy",
+        *(["--device", "cuda"] if device == "cuda" else []),
+        *server_args,
+        *harness.kvcr_linker_args(config),
+    ]
+    env = {**(server_env(device) or {}), **DUMMY_ENV}
+    handle = harness.launch_server(
+        args, model_path=model, log_path=work / f"{kind}.log", env=env, wait=False
+    )
+    handle.endpoint = f"tcp://127.0.0.1:{control_port}"
+    handle.family = kind
+    handle.model_config = json.loads((model / "config.json").read_text())
+    return handle
