@@ -346,11 +346,14 @@ def launch_server(
     scratch: str | os.PathLike[str] | None = None,
     wait: bool = True,
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S,
+    command_prefix: Sequence[str] = (),
 ) -> ServerHandle:
     """Start a CPU SGLang server; with ``wait`` (default) block until it is ready.
 
-    On a failed start the process group is torn down before ``ServerStartError``
-    (carrying the log tail) is raised.
+    ``command_prefix`` goes before the command and must exec it in place (e.g.
+    ``ip netns exec <ns>``), so the handle's process is still the server's
+    launcher. On a failed start the process group is torn down before
+    ``ServerStartError`` (carrying the log tail) is raised.
     """
     if model_path is None:
         model_path = ensure_tiny_model()
@@ -361,7 +364,7 @@ def launch_server(
         log_path = name
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = server_command(model_path, port, extra_args, host=host)
+    cmd = [*command_prefix, *server_command(model_path, port, extra_args, host=host)]
     log_file = open(log_path, "wb")  # noqa: SIM115 - closed by ServerHandle.stop
     log_file.write(("$ " + " ".join(cmd) + "\n").encode())
     log_file.flush()

@@ -11,5 +11,6 @@ nothing is mocked except one injected device-copy fault.
 ``peers``          peer linkers in spawned child processes; the unreachable peer
 ``peer_scenarios`` frozen / killed / restarted peer, flush with a quarantined op
 ``suite``          the fast scenarios in ``make test``'s order
-``soak``, ``tp2``, ``fuzz``: the server-based and pytest-based parts
+``soak``, ``tp2``, ``fuzz``, ``multihost``: the server-based and pytest-based
+parts (``multihost``: linker servers in network namespaces, root only)
 """

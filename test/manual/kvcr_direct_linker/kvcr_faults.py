@@ -21,9 +21,14 @@ device-copy fault.
 5. Interop: NVIDIA Dynamo 1.6.1's selection service in front of two linker
    workers, its hint restoring from the peer (``kvcr_drivers.interop``; needs
    ``.venv-interop``, which ``make faults`` builds through ``make interop-venv``).
+6. Multi-host: linker servers in Linux network namespaces joined by a bridge
+   (``test_kvcr_multihost.py``, ``-m netns``; needs root, fails without
+   namespaces): peer reuse across hosts with the allowlist and with CURVE, a host
+   off the allowlist refused pages and NIXL metadata on every port, a peer killed
+   mid-transfer (``kvcr_drivers.faults.multihost``).
 
-Writes a JSON report (top-level ``scenarios``, ``soak``, ``fuzz``); the last line
-printed is ``REPORT <path>``. Exits non-zero when anything failed.
+Writes a JSON report (top-level ``scenarios``, ``soak``, ``fuzz``, ``multihost``);
+the last line printed is ``REPORT <path>``. Exits non-zero when anything failed.
 """
 
 from __future__ import annotations
@@ -43,12 +48,13 @@ import _paths  # noqa: F401  (the repository's test/ on sys.path)
 from kvcr_drivers import cli
 from kvcr_drivers.faults.common import Scenario
 from kvcr_drivers.faults.fuzz import run_fuzz
+from kvcr_drivers.faults.multihost import run_multihost
 from kvcr_drivers.faults.soak import run_soak
 from kvcr_drivers.faults.suite import run_fast_scenarios
 from kvcr_drivers.faults.tp2 import run_tp2, run_tp2_mla
 from kvcr_drivers.interop import dynamo_interop
 
-PARTS = ("scenarios", "soak", "fuzz", "tp2", "interop")
+PARTS = ("scenarios", "soak", "fuzz", "tp2", "interop", "multihost")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -131,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     if "interop" not in skip:
         interop = phase("interop", lambda: dynamo_interop.run(work / "interop"))
         print(f"[faults]   interop checks: {json.dumps(interop['checks'])}", flush=True)
+    multihost: dict[str, Any] = {"skipped": "multihost" in skip}
+    if "multihost" not in skip:
+        multihost = phase("multihost", lambda: run_multihost(work / "multihost"))
+        print(
+            f"[faults]   multihost tests: {json.dumps(multihost['tests'])}", flush=True
+        )
     wall = time.monotonic() - started
     fuzz_ok = "fuzz" in skip or (
         bool(fuzz)
@@ -144,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         and ("soak" in skip or soak["passed"])
         and fuzz_ok
         and ("interop" in skip or interop["passed"])
+        and ("multihost" in skip or multihost["passed"])
     )
     body = {
         "passed": ok,
@@ -152,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         "fuzz": fuzz,
         "fuzz_run": fuzz_meta,
         "interop": interop,
+        "multihost": multihost,
         "timings_s": {**timings, "total": round(wall, 1)},
         "config": dict(vars(args)),
         "env": {
