@@ -152,6 +152,14 @@ class LinkerLifecycle:
         """After each pump: go DOWN when KVCR failed; restart it when due and safe,
         and only from the once-a-step pump (``may_restart``): a restart between a
         request's lookup and its load would drop the claims the load needs."""
+        if self.copier.wedged:  # the device is wedged: down for good
+            if not self.recovery.down:
+                failed = self.offloader.queue.fail_pending()  # never answered
+                self._go_down(
+                    f"the DRAM copier's stream stalled, {failed} offloads failed; "
+                    "the device is wedged, no restart"
+                )
+            return
         if not self.recovery.down:
             if self.session.failed:
                 self._go_down(self._failure_cause())

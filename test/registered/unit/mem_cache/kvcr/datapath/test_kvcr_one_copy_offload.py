@@ -34,7 +34,10 @@ from sglang.srt.mem_cache.storage.kvcr.datapath.dram_copy import (
     DramCopier,
     plan_runs,
 )
-from sglang.srt.mem_cache.storage.kvcr.device.device_streams import DeviceBinding
+from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
+    DeviceBinding,
+    DeviceStallError,
+)
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import local_copy
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.local_copy import SlotRef
 
@@ -260,3 +263,34 @@ def test_install_refuses_another_kvcr(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.2.0")
     with pytest.raises(local_copy.LocalCopyUnsupported, match=r"kvcr==0\.1\.1"):
         local_copy.install()
+
+
+def test_a_wedged_copier_fails_its_offloads_and_takes_the_linker_down(monkeypatch):
+    """A copy fails and its stream will not drain (the device is wedged): that
+    job's slots are never freed, later jobs fail at once, the offload results do
+    not wait for answers that never come, and the linker stops using KVCR."""
+
+    def broken(self, job, stream):
+        raise RuntimeError("copy failed (injected)")
+
+    def stalled(stream, timeout_s=0.0):
+        raise DeviceStallError("stream did not drain (injected)")
+
+    monkeypatch.setattr(DramCopier, "_copy", broken)
+    monkeypatch.setattr(dram_copy, "drain", stalled)
+    pool = make_pool()
+    fill_random(pool, [1, 2], seed=16)
+    lk = make_linker(pool)
+    try:
+        assert lk.offload(kv_transfer(hashes_for(1, "wedge"), [1])) is True
+        wait_until(lambda: (lk.num_completed_offloads(), lk.copier.wedged)[1])
+        wait_until(lambda: lk.num_completed_offloads() >= 1, what="failed result")
+        assert lk.pop_completed_offload() is False
+        assert lk.kvcr_down
+        assert _resident(lk) == 0
+        assert lk.offload(kv_transfer(hashes_for(1, "after"), [2])) is True
+        wait_until(lambda: lk.num_completed_offloads() >= 1, what="refused offload")
+        assert lk.pop_completed_offload() is False
+        assert lk.copier.close(1) is False  # a copy may still write its slots
+    finally:
+        lk.close()

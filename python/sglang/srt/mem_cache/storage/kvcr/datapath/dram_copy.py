@@ -124,6 +124,10 @@ class DramCopier:
         self._jobs: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
         self._scratch: torch.Tensor | None = None
         self.copied_bytes = 0
+        # A failed copy whose stream would not drain: the device is wedged, that
+        # job stays RUNNING (its slots may still be written, never freed) and
+        # every later job fails at once. The linker goes down for good.
+        self.wedged = False
         self._thread = threading.Thread(
             target=self._run, name="kvcr-dram-copy", daemon=True
         )
@@ -143,7 +147,7 @@ class DramCopier:
         if self._thread.is_alive():
             logger.error("KVCR DRAM copier did not stop within %.1f s", timeout_s)
             return False
-        return True
+        return not self.wedged
 
     def _run(self) -> None:
         stream, dead = None, None
@@ -159,7 +163,7 @@ class DramCopier:
                 return
             if not job.claim():
                 continue  # cancelled or late: failed, its slots never written
-            if dead is not None:
+            if dead is not None or self.wedged:
                 job.finish(False)
                 continue
             try:
@@ -170,8 +174,12 @@ class DramCopier:
                 try:
                     drain(stream)  # nothing may still write the slots it frees
                 except BaseException:
-                    logger.exception("KVCR DRAM copier stream could not be drained")
-                    return  # the job stays RUNNING: its slots are never freed
+                    logger.exception(
+                        "KVCR DRAM copier stream could not be drained: the device "
+                        "is wedged; offloads fail from now on"
+                    )
+                    self.wedged = True  # the job stays RUNNING: slots never freed
+                    continue
                 job.finish(False)
 
     def _copy(self, job: CopyJob, stream: Any) -> None:

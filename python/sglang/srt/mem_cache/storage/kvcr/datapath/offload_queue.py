@@ -175,6 +175,15 @@ class OffloadQueue:
     def pop(self) -> bool:
         return self._fifo.popleft().outcome is OffloadOutcome.STORED
 
+    def fail_pending(self) -> int:
+        """Fail every submitted deposit's offload now (their answers will never
+        come, or come too late: ignored); how many offloads failed."""
+        records = {id(r): r for r in self._pending.values()}
+        for record in records.values():
+            record.fail()
+        self._pending.clear()
+        return len(records)
+
     def clear_deferred(self) -> None:
         self._deferred.clear()
 
