@@ -96,12 +96,13 @@ def write_done(start_write: dict[str, Any], success: bool = True) -> bytes:
 
 
 class NixlSender:
-    """A NIXL agent named ``role``-<pid> that loaded a worker's ``metadata``."""
+    """A NIXL agent named ``role``-<pid> (or exactly ``name``: NIXL believes
+    whatever name a sender gives itself) that loaded a worker's ``metadata``."""
 
-    def __init__(self, role: str, metadata: bytes) -> None:
+    def __init__(self, role: str, metadata: bytes, name: str | None = None) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
-        self.name = f"{role}-{os.getpid()}-{time.monotonic_ns()}"
+        self.name = name or f"{role}-{os.getpid()}-{time.monotonic_ns()}"
         config = nixl_agent_config(
             enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"]
         )

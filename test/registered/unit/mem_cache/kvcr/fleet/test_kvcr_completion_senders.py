@@ -12,6 +12,9 @@ source's new one) waits for it.
 
 from __future__ import annotations
 
+import os
+import socket
+
 import pytest
 
 from cpu_harness.kvcr_pages import (
@@ -24,6 +27,7 @@ from cpu_harness.kvcr_pages import (
     wait_until,
 )
 from cpu_harness.kvcr_stray_peers import Hole, NixlSender, settle, write_done
+from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_session
 from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
     LinkerRequestContext,
 )
@@ -133,3 +137,34 @@ def test_a_source_restarted_on_its_endpoint_is_believed_once_it_names_itself(tar
     )
     assert lk.lookup("new", kv_transfer(hashes)) == [1, 2]
     lk.release_request("new")
+
+
+def test_a_stranger_cannot_name_itself_after_a_source_it_can_guess(target):
+    """NIXL 1.5.0's UCX backend reads a notice's sender name from the message
+    body: the sender check holds only while a source's agent name cannot be
+    guessed. A stranger holding the worker's metadata builds the name a worker
+    (``src``, whose control channel the hole stands for) would have from what
+    it can know or try (host, pid, rank label, a small incarnation number)."""
+    lk, hole = target
+    src = make_linker(make_pool("cpu"), **CONFIG)
+    try:
+        incarnation = int(repr(kvcr_session._INCARNATIONS)[len("count(") : -1]) - 1
+        guess = f"kvcr-{socket.gethostname()}-{os.getpid()}-r0-{incarnation}"
+        hashes, handle = _pull(lk, hole, "guessed")
+        metadata = hole.wait("target_metadata")["target_agent_metadata"]
+        hole.ack(lk.endpoint, src.session.agent)  # the source names its agent
+        start = hole.wait("start_write")
+        stranger = NixlSender("stranger", metadata, name=guess)
+        stranger.send(write_done(start))
+        settle(
+            lambda: _dropped(lk) or lk.preparation_ready(handle),
+            [stranger],
+            timeout=2.5,
+            what="the guessing stranger's notice judged",
+        )
+        assert _dropped(lk) == 1
+        wait_until(lambda: lk.preparation_ready(handle), timeout=10, what="deadline")
+        assert lk.lookup("guessed", kv_transfer(hashes)) == []  # never a hit
+        lk.release_request("guessed")
+    finally:
+        src.close()

@@ -18,6 +18,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import secrets
 import socket
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -134,9 +135,13 @@ class KVCRSession:
 
     def _start(self) -> KVCRAdapter:
         # A fresh NIXL agent name per incarnation: peers and this process may
-        # still remember the previous one after a flush.
+        # still remember the previous one after a flush. Its random tail makes
+        # it unguessable: NIXL takes a notice's sender name from the message
+        # itself, so a pull believes only peers told the name over the guarded
+        # control channel (completion_senders), never a stranger naming itself.
         host, pid = socket.gethostname(), os.getpid()
-        agent = f"kvcr-{host}-{pid}-{self._label}-{next(_INCARNATIONS)}"
+        tail = secrets.token_hex(8)
+        agent = f"kvcr-{host}-{pid}-{self._label}-{next(_INCARNATIONS)}-{tail}"
         factory = make_kvcr_factory(agent_name=agent, **self._factory_args)
         adapter = KVCRAdapter(factory, self._limits, name=f"kvcr-{self._label}")
         self.agent = agent
