@@ -292,6 +292,12 @@ class KVCRDirectLinker(
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
         prep = self.preparations.get(rid)
         job = plan_transfers(rid, prep, transfers, self.layout, self.page_size)
+        if prep is not None:
+            # The job took the claims it restores; the rest (pages the device
+            # prefix already has, or past a hit the ranks' MIN cut short) can
+            # never be restored now: released, not held until the request ends.
+            # Every rank loads the same transfers, so every rank drops it.
+            self.session.submit(self.preparations.drop(prep))
         if job is None:
             return False
         # Queued regardless (the answer depends on the transfers only, so every

@@ -191,7 +191,7 @@ def test_restorable_set_is_sparse_where_a_window_page_is_missing(pool, linker):
 
 def test_restore_of_a_middle_boundary_uses_that_boundary_s_window(pool, linker):
     """Restoring boundary 2 of the sparse set copies full KV of pages 0-1 and window
-    KV of pages 0-1; the claims past the boundary are released with the request."""
+    KV of pages 0-1; the claims past the boundary are released with the load."""
     keys = hashes(6, "mid")
     fill_random(pool.full_kv_pool, range(1, 7), seed=7)
     fill_random(pool.swa_kv_pool, range(1, 7), seed=8)
@@ -211,7 +211,7 @@ def test_restore_of_a_middle_boundary_uses_that_boundary_s_window(pool, linker):
         [page_bytes(pool.swa_kv_pool, p) for p in (40, 41)], want_window, strict=True
     ):
         assert torch.equal(got, expected)
-    assert linker.claims_held() > 0  # pages 2-5 are still claimed for the request
+    assert linker.claims_held() == 0  # pages 2-5 can never be restored now
     linker.release_request("m")
     assert linker.claims_held() == 0
 

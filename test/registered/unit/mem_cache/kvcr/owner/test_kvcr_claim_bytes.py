@@ -4,7 +4,8 @@ Every prepared request holds residency claims on its pages in KVCR DRAM until it
 loads or leaves, so a long queue could pin the whole DRAM share. Past
 ``max_claimed_bytes`` (0: half the rank's share) a new request's preparation is
 refused (``refused_claimed``) and its pages are recomputed; claims a load took
-or a finished request gave back no longer count. Real kvcr + NIXL on loopback.
+or left behind (it releases them) or a finished request gave back no longer
+count. Real kvcr + NIXL on loopback.
 """
 
 from __future__ import annotations
@@ -70,3 +71,32 @@ def test_max_claimed_bytes_is_checked():
     for bad in (-1, 1.5, "1", True):
         with pytest.raises(KVCRConfigError, match="max_claimed_bytes"):
             KVCRLinkerConfig.from_dict({**base, "max_claimed_bytes": bad})
+
+
+@pytest.mark.parametrize(
+    ("loaded", "case"),
+    [(slice(1, 2), "the device prefix grew"), (slice(0, 1), "the ranks' MIN cut")],
+)
+def test_claims_a_load_leaves_behind_stop_counting_at_the_load(loaded, case):
+    """A load takes the claims of the pages it restores; the rest of the request's
+    (pages the device already has, or past a hit the ranks' MIN cut short) can
+    never be restored after it, so they are released with it, not held until the
+    request finishes (refusing the next requests meanwhile)."""
+    pool = make_pool("cpu")
+    lk = make_linker(pool, max_claimed_bytes=2 * PAGE_BYTES)
+    try:
+        fill_random(pool, [1, 2, 3, 4], seed=5)
+        first, second = hashes_for(2, "first"), hashes_for(2, "second")
+        assert offload_and_commit(lk, first, [1, 2]) is True
+        assert offload_and_commit(lk, second, [3, 4]) is True
+        prepare(lk, "r1", first)
+        assert restore(lk, "r1", first[loaded], [6]) is True, case
+        assert _claimed(lk) == 0, case  # r1 runs: it holds nothing more
+        prepare(lk, "r2", second)  # not refused
+        assert lk.stats_snapshot()["refused_claimed"] == 0, case
+        assert restore(lk, "r2", second, [7, 8]) is True, case
+        for rid in ("r1", "r2"):
+            lk.release_request(rid)
+        assert _claimed(lk) == 0
+    finally:
+        lk.close()
