@@ -274,9 +274,12 @@ stage_bench() {
     "$PY" "$HARNESS/qwen3_geometry_model.py" "$model" --layers 2 --hidden 64 --heads 4 \
       --kv-heads 2 --head-dim 16 --intermediate 128 --max-positions 8192
     server_args="--load-format dummy $(cpu_server_flags)"
+    # The servers take turns (each SIGSTOPped while the other runs its rep): on a
+    # busy CPU a turn outlasts the default 10 s operation timeout, and KVCR, seeing
+    # its progress stall that long, restarts empty and every replay misses.
     args=(--device cpu --model-path "$model" --page-size 16 --prompt-len 256 --output-len 1
       --reps 1 --zero-hit-per-rep 2 --warmup 1 --itl-rounds 2 --itl-output-len 64
-      --startup-timeout 150
+      --operation-timeout-ms 60000 --startup-timeout 150
       --request-timeout 60 --stats-wait-s 35 --report "$REPORTS/kvcr_bench_cpu.json")
   fi
   local report=${args[-1]} rc=0
