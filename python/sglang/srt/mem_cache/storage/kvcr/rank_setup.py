@@ -28,6 +28,7 @@ from sglang.srt.mem_cache.storage.kvcr.datapath.offload_staging import HostStagi
 from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import SpanRestore
 from sglang.srt.mem_cache.storage.kvcr.device.device_streams import DeviceBinding
 from sglang.srt.mem_cache.storage.kvcr.device.host_memory import HostMemory
+from sglang.srt.mem_cache.storage.kvcr.layout.model_dtype import served_dtype
 from sglang.srt.mem_cache.storage.kvcr.layout.model_identity import (
     WeightsTracker,
     model_identity_fields,
@@ -81,9 +82,13 @@ def attn_rank(params: Any) -> tuple[int, int]:
     )
 
 
-def kvcache_layout_identity(server_args: Any, rank: int, size: int) -> ModelIdentity:
-    """The model identity a page's compatibility digest covers (model_identity)."""
-    fields = model_identity_fields(server_args)
+def kvcache_layout_identity(
+    server_args: Any, rank: int, size: int, device: Any = None
+) -> ModelIdentity:
+    """The model identity a page's compatibility digest covers (model_identity),
+    with the dtype the model computes in on ``device``, the KV pools' device
+    (model_dtype)."""
+    fields = model_identity_fields(server_args, served_dtype(server_args, device))
     return ModelIdentity(tp_rank=rank, tp_size=size, **fields)
 
 
@@ -200,7 +205,9 @@ def describe_rank(server_args: Any, params: Any, components: Any) -> RankDescrip
     placement = placement_of(
         server_args, shard_rank, shard_size, *attention_replica(server_args)
     )
-    identity = kvcache_layout_identity(server_args, shard_rank, shard_size)
+    identity = kvcache_layout_identity(
+        server_args, shard_rank, shard_size, getattr(kvcache, "device", None)
+    )
     family, group = pool_group(
         kvcache, params, set(components), lambda: draft_pool(params)
     )

@@ -5,14 +5,13 @@ Covered now: a hub id's snapshot config (not just ``name@revision``), modeling
 code beside the config (``trust_remote_code``), a decrypted config file's
 content, weights one directory down, a directory without weights (never
 shared), and multimodal processor configs. No longer covered: the revision tag
-of weights whose content is hashed, a load format's spelling (``auto`` is the
-files it reads) and ``--dtype auto`` (the dtype it resolves to, where the config
-alone decides it). Chat templates stay out (they only change token ids).
+of weights whose content is hashed and a load format's spelling (``auto`` is the
+files it reads); ``--dtype`` by what it resolves to is in test_kvcr_model_dtype.
+Chat templates stay out (they only change token ids).
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 from types import SimpleNamespace
 
@@ -137,61 +136,6 @@ def test_load_format_auto_over_bin_files_is_what_npcache_reads(model_dir):
     auto = _digest(_args(model_dir, load_format="auto"))
     assert _digest(_args(model_dir, load_format="npcache")) == auto
     assert _digest(_args(model_dir, load_format="safetensors")) != auto
-
-
-def _set_config(model_dir, **fields):
-    config = model_dir / "config.json"
-    data = json.loads(config.read_text())
-    data.pop("dtype", None)
-    data.pop("torch_dtype", None)
-    config.write_text(json.dumps({**data, **fields}))
-
-
-@pytest.mark.parametrize(
-    ("config", "resolved"),
-    [
-        ({"dtype": "bfloat16"}, "bfloat16"),
-        ({"torch_dtype": "float16"}, "float16"),
-        ({"torch_dtype": "float32"}, "float16"),  # SGLang runs float32 as float16
-        ({}, "float16"),  # no dtype given: float32
-        ({"dtype": "float32", "model_type": "gemma2"}, "bfloat16"),
-    ],
-    ids=["bf16", "fp16-torch_dtype", "fp32", "none", "gemma-fp32"],
-)
-def test_dtype_auto_and_the_dtype_it_resolves_to_keep_the_digest(
-    model_dir, config, resolved
-):
-    _set_config(model_dir, **config)
-    auto = _digest(_args(model_dir, dtype="auto"))
-    assert _digest(_args(model_dir, dtype=resolved)) == auto
-    other = "float16" if resolved == "bfloat16" else "bfloat16"
-    assert _digest(_args(model_dir, dtype=other)) != auto
-    assert _digest(_args(model_dir, dtype="float32")) != auto
-
-
-def test_dtype_names_of_one_dtype_keep_the_digest(model_dir):
-    assert _digest(_args(model_dir, dtype="half")) == _digest(
-        _args(model_dir, dtype="float16")
-    )
-    assert _digest(_args(model_dir, dtype="float")) == _digest(
-        _args(model_dir, dtype="float32")
-    )
-
-
-@pytest.mark.parametrize(
-    "case", ["sub-model config", "dtype override"], ids=["multimodal", "override"]
-)
-def test_dtype_auto_stays_apart_where_the_config_alone_does_not_decide(model_dir, case):
-    """A sub-model config (SGLang reads the text model's dtype) or an override of
-    the dtype: ``auto`` is not equated with any dtype."""
-    kw = {}
-    if case == "sub-model config":
-        _set_config(model_dir, dtype="bfloat16", text_config={"model_type": "llama"})
-    else:
-        kw["json_model_override_args"] = '{"torch_dtype": "float16"}'
-    auto = _digest(_args(model_dir, dtype="auto", **kw))
-    for dtype in ("bfloat16", "float16", "float32"):
-        assert _digest(_args(model_dir, dtype=dtype, **kw)) != auto
 
 
 # ---- multimodal processor configs: covered; chat templates: not -------------------

@@ -5,10 +5,10 @@ both. :func:`model_identity` reads what decides those bytes from the server
 arguments: the checkpoint's *content* (not its path), the model config, the
 revision, the draft model, and the settings that change the KV (weight
 quantization, config overrides, KV scales, dtypes, the load format). Settings are
-compared by what they select, not how they are spelled: ``--dtype auto`` is the
-dtype SGLang resolves from the config (where the config alone decides it), and a
-load format by the weight files it reads (``auto`` over safetensors files is
-``safetensors``). Geometry (KV dtype, page size, spans, shard) is added by
+compared by what they select, not how they are spelled: ``--dtype`` is the
+dtype the model computes in (resolved by SGLang, ``model_dtype``, and passed in),
+and a load format by the weight files it reads (``auto`` over safetensors files
+is ``safetensors``). Geometry (KV dtype, page size, spans, shard) is added by
 ``PageLayout``.
 
 A local checkpoint directory (or single weight file) is fingerprinted by content:
@@ -121,7 +121,7 @@ def _hub_snapshot(repo_id: str, revision: str) -> Path | None:
     return Path(local) if local and Path(local).is_dir() else None
 
 
-def _checkpoint_path(model_path: str, revision: str) -> Path | None:
+def local_checkpoint(model_path: str, revision: str) -> Path | None:
     """The local files SGLang reads for ``model_path``: the path itself, or a hub
     id's local snapshot; None when there is neither."""
     path = Path(os.path.expanduser(model_path)) if model_path else None
@@ -138,7 +138,7 @@ def weights_fingerprint(model_path: str, revision: str, load_format: str) -> str
         # Weights from another process, a remote instance or a cache: nothing
         # here says what they are, so this worker shares with no other.
         return f"{load_format}:{new_weights_version()}"
-    path = _checkpoint_path(model_path, revision)
+    path = local_checkpoint(model_path, revision)
     if path is None:
         return f"unknown:{new_weights_version()}"  # never guess from a name
     if path.is_file():
@@ -168,7 +168,7 @@ def config_fingerprint(model_path: str, revision: str) -> str:
     """The model config, quantization config files and modeling code
     (``trust_remote_code``'s ``*.py``) under ``model_path``, or in the local
     Hugging Face snapshot of a hub id."""
-    path = _checkpoint_path(model_path, revision)
+    path = local_checkpoint(model_path, revision)
     if path is None or not path.is_dir():
         return f"path:{model_path}@{revision}"
     code = sorted(p.name for p in path.glob("*.py") if p.is_file())
@@ -200,55 +200,6 @@ def _file_or_text(value: Any) -> str:
     return text
 
 
-# SGLang's dtype names (``--dtype``, a config's ``dtype``/``torch_dtype``).
-_DTYPES = {
-    "half": "float16",
-    "float16": "float16",
-    "float": "float32",
-    "float32": "float32",
-    "bfloat16": "bfloat16",
-}
-# Keys of a config override that can change the dtype ``auto`` resolves to.
-_DTYPE_KEYS = frozenset({"dtype", "torch_dtype", "model_type", "text_config"})
-
-
-def model_dtype(server_args: Any) -> str:
-    """``--dtype`` as the dtype the model runs in. ``auto`` is resolved as SGLang
-    resolves it (the config's dtype; float32, or none given, runs as float16, or
-    bfloat16 for Gemma) where ``config.json`` alone decides it; it stays ``auto``
-    for a config with sub-model configs (multimodal: SGLang reads the text
-    model's), an override touching the dtype, or an unusual dtype."""
-    dtype = _text(getattr(server_args, "dtype", None)).lower() or "auto"
-    if dtype != "auto":
-        return _DTYPES.get(dtype, dtype)
-    try:
-        overrides = json.loads(
-            _overrides(getattr(server_args, "json_model_override_args", None)) or "{}"
-        )
-    except ValueError:
-        return dtype
-    if not isinstance(overrides, dict) or not _DTYPE_KEYS.isdisjoint(overrides):
-        return dtype
-    path = _checkpoint_path(
-        _text(getattr(server_args, "model_path", None)),
-        _text(getattr(server_args, "revision", None)),
-    )
-    try:
-        config = json.loads((path / "config.json").read_text()) if path else None
-    except (OSError, ValueError):
-        return dtype
-    if not isinstance(config, dict) or any(
-        isinstance(v, dict) and "model_type" in v for v in config.values()
-    ):
-        return dtype
-    named = config.get("dtype") or config.get("torch_dtype") or "float32"
-    resolved = _DTYPES.get(named) if isinstance(named, str) else None
-    if resolved == "float32":
-        gemma = _text(config.get("model_type")).startswith("gemma")
-        return "bfloat16" if gemma else "float16"
-    return resolved or dtype
-
-
 # Load formats of SGLang's default loader by the weight files they read: the
 # same files read by either gives the same weights.
 _READS = {
@@ -264,7 +215,7 @@ def files_read(load_format: str, model_path: str, revision: str) -> str:
     load_format = load_format or "auto"
     if load_format != "auto":
         return _READS.get(load_format, load_format)
-    path = _checkpoint_path(model_path, revision)
+    path = local_checkpoint(model_path, revision)
     if path is None or not path.is_dir():
         return load_format
     for pattern, reads in (("*.safetensors", "safetensors"), ("*.bin", "bin")):
@@ -273,10 +224,11 @@ def files_read(load_format: str, model_path: str, revision: str) -> str:
     return load_format
 
 
-def model_settings(server_args: Any) -> tuple[tuple[str, str], ...]:
-    """Server arguments that change KV bytes, as sorted ``(name, value)`` pairs."""
+def model_settings(server_args: Any, dtype: str) -> tuple[tuple[str, str], ...]:
+    """Server arguments that change KV bytes, as sorted ``(name, value)`` pairs;
+    ``dtype`` is the dtype the model computes in (``model_dtype.served_dtype``)."""
     values = {name: _text(getattr(server_args, name, None)) for name in _SETTINGS}
-    values["dtype"] = model_dtype(server_args)
+    values["dtype"] = dtype
     values["json_model_override_args"] = _overrides(
         getattr(server_args, "json_model_override_args", None)
     )
@@ -348,8 +300,9 @@ def draft_identity(server_args: Any) -> str:
     return f"{algorithm}:{weights}:{config}"
 
 
-def model_identity_fields(server_args: Any) -> dict[str, Any]:
-    """``ModelIdentity`` keyword arguments (all but the shard) for ``server_args``."""
+def model_identity_fields(server_args: Any, dtype: str) -> dict[str, Any]:
+    """``ModelIdentity`` keyword arguments (all but the shard) for ``server_args``,
+    whose model computes in ``dtype`` (``model_dtype.served_dtype``)."""
     model_path = _text(getattr(server_args, "model_path", None))
     revision = _text(getattr(server_args, "revision", None))
     load_format = _text(getattr(server_args, "load_format", None)) or "auto"
@@ -362,7 +315,7 @@ def model_identity_fields(server_args: Any) -> dict[str, Any]:
         "config": config,
         "revision": revision,
         "draft": draft_identity(server_args),
-        "settings": model_settings(server_args),
+        "settings": model_settings(server_args, dtype),
     }
 
 
