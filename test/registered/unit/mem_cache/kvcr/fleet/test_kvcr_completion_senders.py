@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import pytest
 
@@ -28,6 +29,7 @@ from cpu_harness.kvcr_pages import (
 )
 from cpu_harness.kvcr_stray_peers import Hole, NixlSender, settle, write_done
 from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_session
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import completion_senders
 from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
     LinkerRequestContext,
 )
@@ -168,3 +170,77 @@ def test_a_stranger_cannot_name_itself_after_a_source_it_can_guess(target):
         lk.release_request("guessed")
     finally:
         src.close()
+
+
+FLOOD = completion_senders.MAX_HELD + 8  # more than the whole hold
+
+
+def _flood(lk, stranger, start, expect_dropped, timeout=5.0):
+    for _ in range(FLOOD):
+        stranger.send(write_done(start))
+    settle(
+        lambda: _dropped(lk) >= expect_dropped,
+        [stranger],
+        timeout=timeout,
+        what="the flood judged",
+    )
+
+
+def _early_notice_accepted(lk, hole, rid, metadata):
+    """A pull whose source's notice beats its ack is still believed."""
+    hole.seen.clear()
+    hashes, handle = _pull(lk, hole, rid)
+    start = hole.wait("start_write")
+    source = NixlSender("source", metadata)
+    source.send(write_done(start))
+    sent = time.monotonic()
+    settle(lambda: time.monotonic() - sent > 0.3, [source], 1, "sent before the ack")
+    hole.ack(lk.endpoint, source.name)
+    settle(
+        lambda: lk.preparation_ready(handle),
+        [source],
+        timeout=2.5,
+        what="the early notice accepted once its source named itself",
+    )
+    assert lk.lookup(rid, kv_transfer(hashes)) == [1, 2]
+    lk.release_request(rid)
+
+
+def test_notices_for_a_pull_kvcr_gave_up_on_are_not_held(target):
+    """A pull past its deadline (probed, then quarantined for good when its
+    source never answers) no longer waits for a notice: a stranger's flood for
+    it is dropped at once instead of filling the hold for as long as the pull
+    lasts, and a later source's notice that beats its ack is still held."""
+    lk, hole = target
+    _, handle = _pull(lk, hole, "given-up")
+    metadata = hole.wait("target_metadata")["target_agent_metadata"]
+    hole.ack(lk.endpoint, "old-source-agent")
+    start = hole.wait("start_write")
+    wait_until(lambda: lk.preparation_ready(handle), timeout=10, what="timed out")
+    lk.release_request("given-up")
+    stranger = NixlSender("stranger", metadata)
+    # Dropped well before the operation timeout (3 s), after which a held
+    # notice would be dropped anyway.
+    started = time.monotonic()
+    _flood(lk, stranger, start, FLOOD, timeout=2.0)
+    assert _dropped(lk) == FLOOD  # none held
+    assert time.monotonic() - started < 2.0
+    _early_notice_accepted(lk, hole, "after-flood", metadata)
+
+
+def test_notices_held_for_one_pull_are_capped(target):
+    """A stranger's flood for a pull whose source has not named itself yet
+    holds only a few notices, so another pull's early notice still fits."""
+    lk, hole = target
+    _pull(lk, hole, "flooded")
+    metadata = hole.wait("target_metadata")["target_agent_metadata"]
+    start = hole.wait("start_write")
+    stranger = NixlSender("stranger", metadata)
+    _flood(lk, stranger, start, FLOOD - completion_senders.MAX_HELD)
+    other = Hole()
+    try:
+        _early_notice_accepted(lk, other, "other", metadata)
+    finally:
+        other.close()
+    assert _dropped(lk) == FLOOD - completion_senders.MAX_HELD_PER_PULL
+    lk.release_request("flooded")

@@ -11,10 +11,14 @@ control message, so from a peer the inbound guard admitted; kvcr acks the first
 metadata it gets from a target, before it writes), and a ``write_done`` for a
 pull reaches kvcr only from the agent bound to the pull's endpoint. One that
 arrives before its endpoint's ack (or, from another agent, after kvcr gave the
-endpoint up: a source restarted there acks again) is held while its pull is in
-flight, as ZMQ and UCX do not order against each other; any other, or a held one
-whose pull ended, is dropped, counted (``dropped``) and logged once per sender. Notices kvcr would ignore anyway (not
-``write_done``, no such pull) pass unchanged. ``install`` refuses a kvcr whose
+endpoint up: a source restarted there acks again) is held while its pull still
+waits for its notice, as ZMQ and UCX do not order against each other: at most
+``MAX_HELD_PER_PULL`` per pull, ``MAX_HELD`` in all, none longer than the
+operation timeout, and never for a pull kvcr gave up on (probed or quarantined),
+so no sender can fill the hold for good. Any other, or a held one whose pull
+ended or stopped waiting, is dropped, counted (``dropped``) and logged once per
+sender. Notices kvcr would ignore anyway (not ``write_done``, no such pull) pass
+unchanged. ``install`` refuses a kvcr whose
 internals are not the 0.1.1 ones.
 """
 
@@ -32,6 +36,7 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import kvcr_internals
 logger = logging.getLogger(__name__)
 
 MAX_HELD = 256  # notices waiting for their endpoint's ack, per KVCR
+MAX_HELD_PER_PULL = 4  # a source sends one (a cancelled write: two)
 MAX_BOUND = 4096  # source endpoints remembered with their agent, per KVCR
 _MAX_WARNED = 256  # senders logged at WARNING; the rest at DEBUG
 _ATTR = "_sglang_completion_senders"
@@ -45,6 +50,16 @@ class _Verdict(enum.Enum):
     DROP = "drop"  # from an agent the pull was not sent to
 
 
+@dataclasses.dataclass(slots=True, frozen=True)
+class _Held:
+    """A notice waiting for its pull's endpoint to name its agent."""
+
+    sender: str
+    raw: bytes
+    handle: int
+    since: float  # kvcr's clock
+
+
 @dataclasses.dataclass(slots=True)
 class SenderChecks:
     """One KVCR's bound agents, held notices and drop count (progress thread)."""
@@ -55,7 +70,7 @@ class SenderChecks:
     # Endpoints kvcr gave up on since their agent named itself (a timeout, a
     # refusal): a restarted source there may send before its new ack lands.
     stale: set[str] = dataclasses.field(default_factory=set)
-    held: collections.deque[tuple[str, bytes]] = dataclasses.field(
+    held: collections.deque[_Held] = dataclasses.field(
         default_factory=collections.deque
     )
     dropped: int = 0
@@ -74,43 +89,63 @@ class SenderChecks:
         if endpoint in self.agents:
             self.stale.add(endpoint)
 
-    def admit(self, progress: Any, fresh: dict[str, list[bytes]]) -> dict[str, Any]:
-        """The notices of ``fresh`` (and those held before) kvcr may see now."""
-        pending = [(s, raw, True) for s, raw in self.held]
+    def admit(
+        self,
+        progress: Any,
+        fresh: dict[str, list[bytes]],
+        now: float,
+        timeout_s: float,
+    ) -> dict[str, Any]:
+        """The notices of ``fresh`` (and those held before) kvcr may see now;
+        ``now`` is kvcr's clock, ``timeout_s`` its operation timeout."""
+        pending: list[tuple[str, bytes, _Held | None]] = [
+            (h.sender, h.raw, h) for h in self.held
+        ]
         self.held.clear()
-        pending += [(s, raw, False) for s, notices in fresh.items() for raw in notices]
+        pending += [(s, raw, None) for s, notices in fresh.items() for raw in notices]
         out: dict[str, list[bytes]] = {}
-        for sender, raw, was_held in pending:
-            verdict = self._judge(progress, sender, raw, was_held)
+        per_pull: collections.Counter[int] = collections.Counter()
+        for sender, raw, was in pending:
+            verdict, handle = self._judge(progress, sender, raw, was is not None)
             if verdict is _Verdict.PASS:
                 out.setdefault(sender, []).append(raw)
-            elif verdict is _Verdict.HOLD and len(self.held) < MAX_HELD:
-                self.held.append((sender, raw))
+                continue
+            since = now if was is None else was.since
+            if (
+                verdict is _Verdict.HOLD
+                and now - since < timeout_s
+                and per_pull[handle] < MAX_HELD_PER_PULL
+                and len(self.held) < MAX_HELD
+            ):
+                per_pull[handle] += 1
+                self.held.append(_Held(sender, raw, handle, since))
             else:
                 self._drop(sender)
         return out
 
     def _judge(
         self, progress: Any, sender: str, raw: bytes, was_held: bool
-    ) -> _Verdict:
+    ) -> tuple[_Verdict, int]:
         payload = kvcr_internals.decode_notice(raw)
         if payload is None or payload.get("type") != "write_done":
-            return _Verdict.PASS
+            return _Verdict.PASS, 0
         handle = payload.get("op_handle")
         if type(handle) is not int:
-            return _Verdict.PASS
+            return _Verdict.PASS, 0
         op = progress._in_flight_ops.get(("target", handle))
         endpoint = getattr(op, "remote_ctrl_ep", None)
         if not isinstance(endpoint, str):
             # No such pull (any more): kvcr ignores it; one held until its pull
             # ended unaccepted is counted.
-            return _Verdict.DROP if was_held else _Verdict.PASS
+            return (_Verdict.DROP if was_held else _Verdict.PASS), handle
         bound = self.agents.get(endpoint)
         if bound == sender:
-            return _Verdict.PASS
-        if bound is None or endpoint in self.stale:
-            return _Verdict.HOLD
-        return _Verdict.DROP
+            return _Verdict.PASS, handle
+        if (bound is None or endpoint in self.stale) and (
+            kvcr_internals.awaits_write_done(op)
+        ):
+            return _Verdict.HOLD, handle
+        return _Verdict.DROP, handle
 
     def _drop(self, sender: str) -> None:
         self.dropped += 1
@@ -128,14 +163,15 @@ class SenderChecks:
 class _CheckedAgent:
     """The NIXL agent as ``_poll_notifications`` sees it: checked notices."""
 
-    __slots__ = ("_checks", "_progress")
+    __slots__ = ("_checks", "_kvcr", "_progress")
 
-    def __init__(self, progress: Any, checks: SenderChecks) -> None:
-        self._progress, self._checks = progress, checks
+    def __init__(self, progress: Any, checks: SenderChecks, kvcr: Any) -> None:
+        self._progress, self._checks, self._kvcr = progress, checks, kvcr
 
     def get_new_notifs(self) -> dict[str, Any]:
         fresh = self._progress.nixl_agent.get_new_notifs()
-        return self._checks.admit(self._progress, fresh)
+        timeout_s = self._kvcr.config.operation_timeout_ms / 1000
+        return self._checks.admit(self._progress, fresh, self._kvcr._clock(), timeout_s)
 
 
 class _CheckedProgress:
@@ -175,7 +211,7 @@ def install() -> None:
         original_invalidate = backend._invalidate_control_peer
 
         def poll_notifications(self: Any, progress: Any) -> Any:
-            agent = _CheckedAgent(progress, checks_of(self))
+            agent = _CheckedAgent(progress, checks_of(self), self._kvcr)
             return original_poll(self, _CheckedProgress(agent))
 
         def handle_ack(self: Any, progress: Any, payload: dict[str, Any]) -> None:

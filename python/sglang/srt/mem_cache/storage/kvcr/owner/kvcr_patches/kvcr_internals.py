@@ -69,11 +69,27 @@ def remote_backend_class() -> Any:
     _require_method(cls, "_poll_notifications", ("self", "progress"))
     _require_method(cls, "_handle_target_metadata_ack", ("self", "progress", "payload"))
     _require_method(cls, "_invalidate_control_peer", ("self", "endpoint"))
-    _require_fields(remote_fw_dram._TargetPullOp, ("remote_ctrl_ep", "op_id"))
+    _require_fields(
+        remote_fw_dram._TargetPullOp, ("remote_ctrl_ep", "op_id", "state", "deadline")
+    )
+    _require(
+        "remote_fw_dram has no WAITING_WRITE_DONE pull state",
+        hasattr(
+            getattr(remote_fw_dram, "_TargetPullState", None), "WAITING_WRITE_DONE"
+        ),
+    )
     decode = getattr(remote_fw_dram, "_decode_notif", None)
     _require("remote_fw_dram has no _decode_notif", callable(decode))
     _decode = decode
     return cls
+
+
+def awaits_write_done(op: Any) -> bool:
+    """Whether kvcr's target pull ``op`` still waits for its source's notice
+    (not yet given up on: no probe, no quarantine)."""
+    from kvcr import remote_fw_dram
+
+    return op.state is remote_fw_dram._TargetPullState.WAITING_WRITE_DONE
 
 
 def decode_notice(raw: bytes) -> dict[str, Any] | None:
