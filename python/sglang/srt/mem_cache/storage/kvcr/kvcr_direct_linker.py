@@ -238,10 +238,13 @@ class KVCRDirectLinker(
 
     def _fills_unresolved(self) -> bool:
         """Failed peer fetches whose source never resolved its write still hold
-        more KVCR DRAM than ``max_abandoned_bytes``: no more hints until they
-        resolve (kvcr_patches.unresolved_fills)."""
+        more KVCR DRAM than a quarter of this rank's share (or
+        ``max_abandoned_bytes``, if larger): no more hints until they resolve,
+        which for a dead source means a flush or restart
+        (kvcr_patches.unresolved_fills)."""
         held = self._adapter.stats().unresolved_fill_bytes
-        return held > self.config.max_abandoned_bytes
+        bound = max(self.dram.gauges().dram_bytes // 4, self.config.max_abandoned_bytes)
+        return held > bound
 
     def preparation_ready(self, handle: PreparationHandle) -> bool:
         """Whether ``handle``'s attempt may be admitted (only its own preparation

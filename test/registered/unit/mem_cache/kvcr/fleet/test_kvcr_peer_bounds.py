@@ -2,8 +2,8 @@
 
 A hinted source that accepts ``start_write`` and never completes (``Hole``)
 leaves kvcr holding the failed fetch's slots: they are counted
-(``unresolved_fill_bytes``) and past ``max_abandoned_bytes`` hints are ignored
-until the writes resolve. The control channel keeps at most ``MAX_OUTGOING``
+(``unresolved_fill_bytes``) and past a quarter of the DRAM share (or
+``max_abandoned_bytes``, if larger) hints are ignored until the writes resolve. The control channel keeps at most ``MAX_OUTGOING``
 outgoing sockets, least recently used closed first. A source keeps at most
 ``MAX_FENCES`` write-probe fences, and a ``start_write`` for an evicted fence's
 operation, delayed past its probe, is still refused.
@@ -57,23 +57,48 @@ def _hinted(lk, rid, endpoint, hashes):
     return lk.lookup(rid, kv_transfer(hashes))
 
 
-def test_failed_fetches_still_holding_dram_stop_hints_until_they_resolve():
+def test_a_dead_peers_held_fetch_below_a_quarter_of_dram_keeps_hints_on():
+    """A source that died mid-fetch never resolves its write: its bytes stay
+    held until a flush. Up to a quarter of the DRAM share (here 4 of 16 pages,
+    above ``max_abandoned_bytes``) that does not turn hints off."""
     lk, hole = (
         make_linker(make_pool("cpu"), **FAST, max_abandoned_bytes=PAGE_BYTES),
         Hole(),
     )
     try:
         assert _hinted(lk, "a", hole.endpoint, hashes_for(2, "a")) == []
-        # The fetch failed at its deadline; kvcr still holds its two pages.
         wait_until(
             lambda: lk.stats_snapshot()["unresolved_fill_bytes"] == 2 * PAGE_BYTES,
+            what="the failed fetch's slots counted",
+        )
+        assert _hinted(lk, "b", hole.endpoint, hashes_for(2, "b")) == []
+        assert lk.stats_snapshot()["hints_unresolved_off"] == 0
+        assert hole.count("start_write", 2) == 2  # the hint was taken
+        for rid in "ab":
+            lk.release_request(rid)
+    finally:
+        hole.close()
+        lk.close()
+
+
+def test_failed_fetches_still_holding_dram_stop_hints_until_they_resolve():
+    lk, hole = (
+        make_linker(make_pool("cpu"), **FAST, max_abandoned_bytes=PAGE_BYTES),
+        Hole(),
+    )
+    try:
+        # Five pages: over a quarter of the 16-page share.
+        assert _hinted(lk, "a", hole.endpoint, hashes_for(5, "a")) == []
+        # The fetch failed at its deadline; kvcr still holds its five pages.
+        wait_until(
+            lambda: lk.stats_snapshot()["unresolved_fill_bytes"] == 5 * PAGE_BYTES,
             what="the failed fetch's slots counted",
         )
         start = hole.wait("start_write")
         assert _hinted(lk, "b", hole.endpoint, hashes_for(2, "b")) == []
         snap = lk.stats_snapshot()
         assert snap["hints_unresolved_off"] == 1  # not fetched: nothing more held
-        assert snap["unresolved_fill_bytes"] == 2 * PAGE_BYTES
+        assert snap["unresolved_fill_bytes"] == 5 * PAGE_BYTES
         assert hole.count("start_write", 2, timeout=0.5) == 1
         # The source names itself and reports its write failed: the slots go.
         source = NixlSender("source", start["target_agent_metadata"])
