@@ -52,6 +52,7 @@ TARGETS: dict[str, Target | None] = {
     # Issue 23: a local hit prepared within 1 ms (47 pages). KVCR's own fetch of
     # 47 blocks of 56 parts (Python per part) still dominates it.
     "hit_prepare_us_p50": Target("value", "<=", 1000.0),
+    "hit_not_ready_at_once": Target("value", "==", 0),  # issue 23: 0 extra passes
     "hint_prepare_us_p50": None,  # informational: bound by the peer transfer
     "hook_overhead_us_p50": Target("value", "<=", 150.0),
     "linker_idle_cpu_pct": None,  # informational: background cost of an idle linker
@@ -73,9 +74,22 @@ TARGETS: dict[str, Target | None] = {
 # Issue 23's CPU targets for the transfer section: the one-copy offload against a
 # plain host copy of the same bytes, the restore against a plain copy into the pool.
 CPU_TRANSFER_TARGETS: dict[str, Target] = {
-    **{f"restore_vs_pinned_h2d_{n}p": Target("ratio", ">=", 0.9) for n in TRANSFER_PAGES},
-    **{f"offload_vs_pinned_d2h_{n}p": Target("ratio", ">=", 0.8) for n in TRANSFER_PAGES},
+    **{
+        f"restore_vs_pinned_h2d_{n}p": Target("ratio", ">=", 0.9)
+        for n in TRANSFER_PAGES
+    },
+    **{
+        f"offload_vs_pinned_d2h_{n}p": Target("ratio", ">=", 0.8)
+        for n in TRANSFER_PAGES
+    },
 }
+
+
+def target_of(name: str, device: str) -> Target | None:
+    """The target a metric of a ``device`` run is held to (None: informational)."""
+    if device != "cuda" and name.startswith(("restore_vs_pinned", "offload_vs_pinned")):
+        return CPU_TRANSFER_TARGETS.get(name)
+    return TARGETS.get(name)
 
 
 def pct(values: list[float], q: float) -> float:

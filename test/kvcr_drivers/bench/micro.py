@@ -17,7 +17,7 @@ from typing import Any
 from kvcr_drivers.bench import plot
 from kvcr_drivers.bench.copy_prepare import bench_copy_and_prepare
 from kvcr_drivers.bench.hint_hooks import bench_hint, bench_hooks
-from kvcr_drivers.bench.metrics import metric, wait_for_quiet
+from kvcr_drivers.bench.metrics import metric, target_of, wait_for_quiet
 from kvcr_drivers.bench.serving_micro import bench_serving
 from kvcr_drivers.bench.transfer import bench_transfer
 
@@ -42,6 +42,7 @@ SECTIONS: tuple[tuple[str, Callable[..., None], tuple[str, ...]], ...] = (
             "restore_copy_vs_torch_copy",
             "zero_hit_prepare_us_p50",
             "zero_hit_owner_commands",
+            "hit_not_ready_at_once",
             "hit_prepare_us_p50",
         ),
     ),
@@ -52,6 +53,7 @@ SECTIONS: tuple[tuple[str, Callable[..., None], tuple[str, ...]], ...] = (
 PREPARE_METRICS = (
     "zero_hit_prepare_us_p50",
     "zero_hit_owner_commands",
+    "hit_not_ready_at_once",
     "hit_prepare_us_p50",
 )
 UNITS = {
@@ -59,6 +61,7 @@ UNITS = {
     "restore_copy_vs_torch_copy": "GB/s",
     "offload_vs_nixl_loopback": "GB/s",
     "zero_hit_owner_commands": "count",
+    "hit_not_ready_at_once": "count",
     "linker_idle_cpu_pct": "% core",
     "decode_itl_p50_ratio": "ms",
     "decode_itl_p99_ratio": "ms",
@@ -92,8 +95,8 @@ def metric_unit(name: str) -> str:
 
 
 def informational(name: str, device: str) -> bool:
-    """Reported without a target: the transfer figures off cuda."""
-    return name.startswith(TRANSFER_KINDS) and device != "cuda"
+    """Reported without a target on ``device``."""
+    return target_of(name, device) is None
 
 
 def versions() -> dict[str, str]:

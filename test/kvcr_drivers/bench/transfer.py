@@ -12,11 +12,11 @@ from typing import Any
 
 from cpu_harness.kvcr_pages import fill_random, make_linker
 from kvcr_drivers.bench.metrics import (
-    CPU_TRANSFER_TARGETS,
     gbps,
     metric,
     random_hashes,
     settle,
+    target_of,
 )
 from kvcr_drivers.bench.pools import (
     Geometry,
@@ -127,7 +127,7 @@ def bench_transfer(
                     value,
                     "GB/s",
                     base,
-                    target=None if on_cuda else CPU_TRANSFER_TARGETS[name],
+                    target=target_of(name, args.device),
                     samples=len(rates["restore"]),
                     device=args.device,
                 )

@@ -14,7 +14,7 @@ import re
 
 from cpu_harness.server import REPO
 from kvcr_drivers.bench import figures, micro
-from kvcr_drivers.bench.metrics import TARGETS
+from kvcr_drivers.bench.metrics import target_of
 
 DOCS = REPO / "docs" / "kvcr_direct_linker.md"
 PINS = REPO / "requirements" / "cpu.txt"
@@ -38,7 +38,7 @@ def test_units_and_targets_are_the_benchs_own():
     for r in rows:
         name = r["metric"]
         assert r["unit"] == micro.metric_unit(name), r
-        target = None if micro.informational(name, "cpu") else TARGETS[name]
+        target = target_of(name, "cpu")
         assert r["target"] == (target.text() if target else "-"), r
 
 
@@ -46,9 +46,7 @@ def test_each_result_follows_from_the_rows_numbers():
     _, rows = table()
     for r in rows:
         values = {k: number(r[k]) for k in ("value", "baseline", "ratio")}
-        target = (
-            None if micro.informational(r["metric"], "cpu") else TARGETS[r["metric"]]
-        )
+        target = target_of(r["metric"], "cpu")
         if target is None:
             assert r["result"] == "info", r
             continue
