@@ -7,13 +7,20 @@
 fan-in-scaled dummy weights (``SGLANG_KVCR_DUMMY_WEIGHTS=fan_in``: greedy outputs
 then tell a right KV restore from a wrong one). Its device pool holds four prompts
 (as ``kvcr_servers.launch_linker``'s), and the handle carries what
-``kvcr_servers.family_round_trip`` reads (``family``, ``model_config``).
+``kvcr_servers.family_round_trip`` reads (``family``, ``model_config``). Its ports
+(HTTP, KVCR control) are ones no other server of this process was given.
+
+``start(launch, timeout_s)``: a server from ``launch()`` once ready; launched again
+(new ports) once when its HTTP port was taken between being picked and bound, as
+happens on a host shared with other runs; stopped when it does not come up.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +31,56 @@ from kvcr_drivers.bench.serving import kvcr_linker_config, server_env
 DUMMY_ENV = {"SGLANG_KVCR_DUMMY_WEIGHTS": "fan_in"}
 GIB = 1 << 30
 FAMILY_PAGE = kvcr_servers.PAGE  # what family_round_trip's checks count in
+BIND_CLASH = "address already in use"
+
+_given: set[int] = set()
+_given_lock = threading.Lock()
+
+
+class PortClash(RuntimeError):
+    """Another process bound the server's port before the server did."""
+
+
+def fresh_port() -> int:
+    """A free port no other server of this process was given."""
+    with _given_lock:
+        while True:
+            port = harness.free_port()
+            if port not in _given:
+                _given.add(port)
+                return port
+
+
+def wait_ready(server: Any, timeout_s: float) -> float:
+    """Seconds from launch to ready; ``PortClash`` as soon as the log shows the
+    port was taken (the server would otherwise idle until its own warm-up fails)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        step = min(5.0, max(0.5, deadline - time.monotonic()))
+        try:
+            return float(server.wait_ready(step))
+        except harness.ServerStartError:
+            if BIND_CLASH in server.log_text():
+                raise PortClash(f"port {server.port} was taken") from None
+            if server.process.poll() is not None or time.monotonic() >= deadline:
+                raise
+
+
+def start(launch: Callable[[], Any], timeout_s: float) -> Any:
+    """A ready server from ``launch()`` (see the module docstring)."""
+    for attempt in (1, 2):
+        server = launch()
+        try:
+            wait_ready(server, timeout_s)
+            return server
+        except PortClash:
+            server.stop()
+            if attempt == 2:
+                raise
+        except BaseException:
+            server.stop()
+            raise
+    raise AssertionError("unreachable")
 
 
 def dram_bytes(device: str, scale: str) -> int:
@@ -45,7 +102,7 @@ def launch(
     """A ``kind`` server with the KVCR linker, started without waiting."""
     root = harness.cache_dir() / "gpu_check_models"
     model = geometry_models.ensure_geometry_model(kind, scale, root)
-    control_port = harness.free_port()
+    control_port = fresh_port()
     config = {
         **kvcr_linker_config(dram_bytes(device, scale), 10000, linker_config or {}),
         "control_port": control_port,
@@ -67,7 +124,12 @@ def launch(
     ]
     env = {**(server_env(device) or {}), **DUMMY_ENV}
     handle = harness.launch_server(
-        args, model_path=model, log_path=work / f"{kind}.log", env=env, wait=False
+        args,
+        model_path=model,
+        port=fresh_port(),
+        log_path=work / f"{kind}.log",
+        env=env,
+        wait=False,
     )
     handle.endpoint = f"tcp://127.0.0.1:{control_port}"
     handle.family = kind

@@ -31,6 +31,7 @@ from typing import Any
 import _paths  # noqa: F401  (the repository's test/ on sys.path)
 
 from cpu_harness import geometry_models, kvcr_servers
+from cpu_harness import server as harness
 from kvcr_drivers import cli
 from kvcr_drivers.bench import geometry_servers
 
@@ -57,8 +58,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def round_trip(server: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """One family's round trip and its checks (the server is stopped after)."""
+def round_trip(family: str, args: argparse.Namespace, work: Any) -> dict[str, Any]:
+    """One family's server and round trip, and its checks (stopped after)."""
+
+    def launch() -> Any:
+        return geometry_servers.launch(
+            family,
+            scale=args.scale,
+            device=args.device,
+            work=work,
+            prompt_len=args.prompt_len,
+            server_args=args.server_args.split(),
+        )
+
+    try:
+        server = geometry_servers.start(launch, args.startup_timeout)
+    except Exception as exc:
+        return {
+            "family": family,
+            "ok": False,
+            "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:500],
+            "log_tail": harness.tail(work / f"{family}.log", 40),
+        }
     try:
         replay = kvcr_servers.family_round_trip(
             server, prompt_len=args.prompt_len, ready_s=args.startup_timeout
@@ -88,23 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = cli.work_dir(args, "kvcr_family_bench")
     started = time.monotonic()
-    servers: list[Any] = []
-    try:
-        for family in args.families:  # one by one: a failed launch stops the rest
-            server = geometry_servers.launch(
-                family,
-                scale=args.scale,
-                device=args.device,
-                work=work,
-                prompt_len=args.prompt_len,
-                server_args=args.server_args.split(),
-            )
-            servers.append(server)
-        with ThreadPoolExecutor(max_workers=len(servers)) as pool:
-            results = list(pool.map(lambda s: round_trip(s, args), servers))
-    finally:
-        for server in servers:
-            server.stop()
+    with ThreadPoolExecutor(max_workers=len(args.families)) as pool:
+        results = list(pool.map(lambda f: round_trip(f, args, work), args.families))
     for r in results:
         failed = [k for k, ok in r.get("checks", {}).items() if not ok]
         verdict = "ok" if r["ok"] else f"FAIL {failed or r.get('error')}"

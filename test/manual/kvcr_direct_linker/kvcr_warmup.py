@@ -30,6 +30,7 @@ from typing import Any
 import _paths  # noqa: F401  (the repository's test/ on sys.path)
 
 from cpu_harness import geometry_models
+from cpu_harness import server as harness
 from kvcr_drivers import cli
 from kvcr_drivers.bench import geometry_servers
 
@@ -56,11 +57,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def warm(server: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """Wait for ``server``, send its two requests, stop it; what was seen."""
-    out: dict[str, Any] = {"model": server.family, "ok": False}
+def launcher(kind: str, args: argparse.Namespace, work: Any) -> Any:
+    page = args.page_size if kind == "qwen3" else geometry_servers.FAMILY_PAGE
+    return lambda: geometry_servers.launch(
+        kind,
+        scale=args.scale,
+        device=args.device,
+        work=work,
+        prompt_len=args.prompt_len,
+        page=page,
+        server_args=args.server_args.split(),
+    )
+
+
+def warm(kind: str, args: argparse.Namespace, work: Any) -> dict[str, Any]:
+    """Start ``kind``'s server, send its two requests, stop it; what was seen."""
+    out: dict[str, Any] = {"model": kind, "ok": False}
     try:
-        out["startup_s"] = round(server.wait_ready(args.startup_timeout), 2)
+        server = geometry_servers.start(
+            launcher(kind, args, work), args.startup_timeout
+        )
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+        out["log_tail"] = harness.tail(work / f"{kind}.log", 40)
+        return out
+    try:
+        out["startup_s"] = round(server.startup_s, 2)
         rng = random.Random(args.seed)
         ids = [rng.randrange(3, 300) for _ in range(args.prompt_len)]
         for name in ("first_request_s", "prefix_hit_s"):
@@ -95,26 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = cli.work_dir(args, "kvcr_warmup")
     started = time.monotonic()
-    servers = []
-    try:
-        for kind in args.models:
-            page = args.page_size if kind == "qwen3" else geometry_servers.FAMILY_PAGE
-            servers.append(
-                geometry_servers.launch(
-                    kind,
-                    scale=args.scale,
-                    device=args.device,
-                    work=work,
-                    prompt_len=args.prompt_len,
-                    page=page,
-                    server_args=args.server_args.split(),
-                )
-            )
-        with ThreadPoolExecutor(max_workers=len(servers)) as pool:
-            results = list(pool.map(lambda s: warm(s, args), servers))
-    finally:
-        for server in servers:
-            server.stop()
+    with ThreadPoolExecutor(max_workers=len(args.models)) as pool:
+        results = list(pool.map(lambda kind: warm(kind, args, work), args.models))
     wall = round(time.monotonic() - started, 2)
     for r in results:
         verdict = "ok" if r["ok"] else f"FAIL ({r.get('error')})"
