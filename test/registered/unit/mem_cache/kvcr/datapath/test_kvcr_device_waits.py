@@ -25,9 +25,13 @@ pytestmark = pytest.mark.kvcr
 class _DoneAfter:
     def __init__(self, seconds: float) -> None:
         self.at = time.monotonic() + seconds
+        self.synced_after_done = 0
 
     def query(self) -> bool:
         return time.monotonic() >= self.at
+
+    def synchronize(self) -> None:
+        self.synced_after_done += self.query()
 
 
 @pytest.fixture
@@ -45,9 +49,12 @@ def pauses(monkeypatch):
 
 
 def test_a_short_wait_polls_finely(pauses):
-    wait_event(_DoneAfter(0.007), timeout_s=5)
+    event = _DoneAfter(0.007)
+    wait_event(event, timeout_s=5)
     assert pauses, "the wait never slept"
     assert max(p for _, p in pauses) <= 50e-6
+    # Synchronized once done (instant), so the CUDA sanitizer sees the sync.
+    assert event.synced_after_done == 1
 
 
 def test_a_long_wait_backs_off_after_its_first_50_ms(pauses):

@@ -118,6 +118,11 @@ def _poll(waitable: Any, timeout_s: float, what: str) -> None:
         cap = _FINE_PAUSE_S if now - start < _FINE_S else _COARSE_PAUSE_S
         pause = min(pause * 2, cap)
         time.sleep(pause)
+    # Done: returns at once, and tells PyTorch's CUDA sanitizer the work is
+    # synchronized (a query() does not count as a synchronization for it).
+    sync = getattr(waitable, "synchronize", None)
+    if sync is not None:
+        sync()
 
 
 def fences_done(fences: Sequence[Any]) -> bool:
