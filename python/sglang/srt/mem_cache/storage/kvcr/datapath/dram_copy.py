@@ -150,13 +150,9 @@ class DramCopier:
         return not self.wedged
 
     def _run(self) -> None:
-        stream, dead = None, None
-        try:
-            self._device.bind_thread()
-            stream = self._device.new_stream()
-        except BaseException as exc:  # no stream: every job fails, none hangs
-            logger.exception("KVCR DRAM copier cannot use its device; offloads fail")
-            dead = exc
+        stream, dead = self._device.start_side_thread(
+            "DRAM copier cannot use its device; offloads fail"
+        )
         while True:
             job = self._jobs.get()
             if job is None:

@@ -141,13 +141,9 @@ class HostStaging:
         return True
 
     def _run(self) -> None:
-        stream, dead = None, None
-        try:
-            self._device.bind_thread()
-            stream = self._device.new_stream()
-        except BaseException as exc:  # no stream: every offload fails, none hangs
-            logger.exception("KVCR stager cannot use its device; offloads fail")
-            dead = exc
+        stream, dead = self._device.start_side_thread(
+            "stager cannot use its device; offloads fail"
+        )
         while True:
             job = self._jobs.get()
             if job is None:

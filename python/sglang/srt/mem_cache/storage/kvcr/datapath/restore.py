@@ -304,13 +304,10 @@ class Restorer:
     # ---- loader thread (or inline on CPU) ------------------------------------------
 
     def loader_main(self) -> None:
-        stream = None
-        try:
-            self._device.bind_thread()  # this thread started on device 0
-            stream = self._device.new_stream()
-        except BaseException as exc:  # no stream: every batch fails, none hangs
-            logger.exception("KVCR loader cannot use its device; restores are off")
-            self.dead = exc
+        # This thread started on device 0; no stream: every batch fails.
+        stream, self.dead = self._device.start_side_thread(
+            "loader cannot use its device; restores are off"
+        )
         while True:
             item = self.jobs.get()
             if item is None:

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,6 +52,17 @@ class DeviceBinding:
     def new_stream(self) -> Any:
         """A side stream on the pools' device (None on CPU)."""
         return torch.cuda.Stream(device=self.device) if self.is_cuda else None
+
+    def start_side_thread(self, what: str) -> tuple[Any, BaseException | None]:
+        """Bind this side thread and make its stream: ``(stream, None)``, or
+        ``(None, error)`` logged once with ``what`` (the thread then fails
+        every job it gets, so nothing waits on it forever)."""
+        try:
+            self.bind_thread()
+            return self.new_stream(), None
+        except BaseException as exc:
+            logger.exception("KVCR %s", what)
+            return None, exc
 
     @contextlib.contextmanager
     def on(self, stream: Any) -> Iterator[None]:
