@@ -278,32 +278,21 @@ class IntKeys:
 
 def small_kvcr_factory(
     name: str,
-    framework: torch.Tensor,
     store: torch.Tensor,
     block: int,
     *,
-    mem_type: str = "DRAM",
     operation_timeout_ms: int = 5000,
+    copier: Any = None,
 ) -> Any:
-    """The production KVCR factory over one pool of ``block``-byte objects:
-    ``framework`` rows (one object a row) and ``store`` as KVCR's DRAM, loopback
-    control on an OS-chosen port."""
-    from kvcr.types import RegionDescriptor
-
+    """The production KVCR factory over one pool ``kv`` of ``block``-byte blocks
+    (label ``kv:page``), ``store`` as KVCR's DRAM, loopback control on an
+    OS-chosen port; ``copier`` (a ``DramCopier``) fills its deposits (without
+    one they fail)."""
     from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_factory import make_kvcr_factory
 
     return make_kvcr_factory(
         agent_name=name,
         pool_layouts=[("kv", block)],
-        framework_regions=[
-            RegionDescriptor(
-                mem_type=mem_type,
-                addr=framework.data_ptr(),
-                size=block,
-                count=framework.shape[0],
-                label="kv",
-            )
-        ],
         local_dram_pools=[("kv", store.data_ptr(), store.numel())],
         key_adapter=IntKeys(),
         control_bind_host="127.0.0.1",
@@ -313,4 +302,5 @@ def small_kvcr_factory(
         abandon_timeout_ms=2 * operation_timeout_ms,
         eviction_policy="lru",
         nixl_progress_thread=False,
+        local_copier=copier,
     )

@@ -19,6 +19,7 @@ until a restart brings a new KVCR) is ``linker_lifecycle.LinkerLifecycle``.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from sglang.srt.mem_cache.hicache_storage import PoolTransfer
@@ -49,6 +50,7 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_session import KVCRSession
 from sglang.srt.mem_cache.storage.kvcr.owner.recovery import Recovery
 from sglang.srt.mem_cache.storage.kvcr.rank_setup import LinkerSetup
+from sglang.srt.mem_cache.storage.kvcr.requests.claimed_pages import PrepState
 from sglang.srt.mem_cache.storage.kvcr.requests.fetch_plan import kv_keys, window_pages
 from sglang.srt.mem_cache.storage.kvcr.requests.preparation import Preparations
 from sglang.srt.mem_cache.storage.kvcr.requests.residency import Residency
@@ -135,7 +137,6 @@ class KVCRDirectLinker(
                 self.placement,
                 self.layout,
                 self.dram,
-                res.framework_regions(self.layout),
                 res.copier,
             )
             self.restorer = Restorer(
@@ -189,10 +190,10 @@ class KVCRDirectLinker(
         self._route()
         self._watch_kvcr(may_restart)  # failed: go down; down: restart when due
 
-    def _route(self) -> None:
+    def _route(self, wait_s: float = 0.0) -> None:
         if self.offloader.queue.has_deferred:
             self.offloader.submit_ready(self._adapter, self.session.agent)
-        for item in self._adapter.drain():
+        for item in self._adapter.drain(wait_s):
             if isinstance(item, InventoryChange):
                 self.stats.evicted_pages += self.residency.on_inventory(item)
             elif item.kind is OpKind.DEPOSIT:
@@ -234,21 +235,30 @@ class KVCRDirectLinker(
         if commands:  # a failed KVCR's adapter answers them itself
             self.session.submit(commands)
             self._pump()
+            self._await_local_claims(ctx.rid)
         return ctx.handle
 
+    def _await_local_claims(self, rid: str) -> None:
+        """Claims of pages resident here come at once: wait (``local_hit_wait_ms``
+        at most) so the request is admitted this pass; the readiness MIN agrees."""
+        prep = self.preparations.get(rid)
+        deadline = time.monotonic() + self.config.local_hit_wait_ms / 1000.0
+        while prep and prep.local_only and prep.state is PrepState.FETCHING:
+            if (left := deadline - time.monotonic()) <= 0:
+                self.stats.local_hit_waits_expired += 1
+                return
+            self._route(left)
+
     def _fills_unresolved(self) -> bool:
-        """Failed peer fetches whose source never resolved its write still hold
-        more KVCR DRAM than a quarter of this rank's share (or
-        ``max_abandoned_bytes``, if larger): no more hints until they resolve,
-        which for a dead source means a flush or restart
+        """Failed peer fetches hold over a quarter of the DRAM share (or
+        ``max_abandoned_bytes``): no hints until a flush or restart resolves them
         (kvcr_patches.unresolved_fills)."""
         held = self._adapter.stats().unresolved_fill_bytes
         bound = max(self.dram.gauges().dram_bytes // 4, self.config.max_abandoned_bytes)
         return held > bound
 
     def preparation_ready(self, handle: PreparationHandle) -> bool:
-        """Whether ``handle``'s attempt may be admitted (only its own preparation
-        can hold it back)."""
+        """Whether ``handle``'s attempt may be admitted (by its own preparation)."""
         self._pump()
         return self.preparations.ready(handle)
 

@@ -59,7 +59,6 @@ if TYPE_CHECKING:
         LayerWiseLoadCounter,
     )
 
-    from kvcr.types import RegionDescriptor
     from sglang.srt.mem_cache.storage.kvcr.datapath.replica_broadcast import (
         NoReplicas,
         ReplicaBroadcast,
@@ -108,13 +107,6 @@ class RankResources:
     staging: HostStaging | None  # on the staged offload path
     dest_rows: dict[str, list[torch.Tensor]]  # per pool, each part's page rows
     copier: DramCopier  # fills every deposit's KVCR DRAM slots (one copy)
-
-    def framework_regions(self, layout: PageLayout) -> list[RegionDescriptor]:
-        """What KVCR copies to and from: the staging area on the staged offload
-        path, else the device pools."""
-        if self.staging is not None:
-            return self.staging.region_descriptors()
-        return layout.region_descriptors()
 
     def release(self, timeout_s: float, adapter: KVCRAdapter | None = None) -> None:
         """Give everything back after a start-up that failed: at once when no
@@ -170,14 +162,9 @@ def build_resources(
                 memory=memory,
                 device=device,
             )
-        # What KVCR's deposits read: the staging area's rows, else the pools'.
+        # What deposits read: the staging area's rows, else the pools'.
         rows = dest_rows if staging is None else staging.part_rows()
-        sources = {
-            label: rows[pool.name][i]
-            for pool in layout.pools
-            for i, label in enumerate(pool.part_labels)
-        }
-        copier = DramCopier(sources, lambda: dram.storage, device)
+        copier = DramCopier(dict(rows), lambda: dram.storage, device)
     except BaseException:
         if staging is not None:
             staging.close(cfg.owner_wait_timeout_s)

@@ -4,9 +4,9 @@ Each fault is produced for real where the CPU allows it: a control port someone
 else holds (through the linker's own constructor), a NIXL that finds no UCX
 plugin, and a UCX that cannot start without ``tcp`` (both in a child process,
 since NIXL reads its plugin directory and UCX its settings once per process).
-The one fault a CPU cannot produce, UCX failing to register GPU memory on a host
-without GPUDirect RDMA, is injected in NIXL's native ``registerMem`` binding, with
-the status real NIXL raises for it.
+The one fault loopback cannot produce, UCX failing to register KVCR's host DRAM
+for RDMA (a locked-memory limit), is injected in NIXL's native ``registerMem``
+binding, with the status real NIXL raises for it.
 """
 
 from __future__ import annotations
@@ -43,12 +43,11 @@ UCX_IBV_REG_MR_LOG = (
 )
 
 
-def start_adapter(name: str, framework_mem_type: str = "DRAM") -> KVCRAdapter:
+def start_adapter(name: str) -> KVCRAdapter:
     """A real KVCR through the production factory, over small CPU tensors."""
-    fw = torch.zeros(4, BLOCK, dtype=torch.uint8)
     store = torch.zeros(4 * BLOCK, dtype=torch.uint8)
     factory = kvcr_stack.small_kvcr_factory(
-        name, fw, store, BLOCK, mem_type=framework_mem_type, operation_timeout_ms=1000
+        name, store, BLOCK, operation_timeout_ms=1000
     )
     limits = AdapterLimits(1 << 20, 1 << 20, wait_timeout_s=STARTUP_TIMEOUT_S)
     return KVCRAdapter(factory, limits, name=name)
@@ -105,7 +104,7 @@ def assert_one_line(message: str) -> None:
 REMEDIES = (
     kvcr_factory._REMEDY_PORT,
     kvcr_factory._REMEDY_NO_UCX,
-    kvcr_factory._REMEDY_GPUDIRECT,
+    kvcr_factory._REMEDY_REGISTRATION,
     kvcr_factory._REMEDY_UCX_START,
 )
 
@@ -190,39 +189,41 @@ def test_nixl_without_a_working_ucx_backend_is_refused_with_the_setting_to_fix(
     assert result["threads"] == []
 
 
-# ---- GPU memory registration without GPUDirect RDMA (injected) -----------------------
+# ---- KVCR DRAM registration refused by UCX (injected) -------------------------------
 
 
-def test_gpu_registration_failure_names_ucx_tls_and_nvidia_peermem(monkeypatch):
-    """UCX failing ibv_reg_mr on GPU memory (no GPUDirect RDMA) fails startup with
-    both fixes named.
+def test_dram_registration_failure_names_the_memlock_and_ucx_fixes(monkeypatch):
+    """UCX failing ibv_reg_mr on KVCR's host DRAM (a locked-memory limit on an
+    RDMA host) fails startup with the fixes named. Only KVCR's own DRAM is
+    registered: the pools never are (the linker copies pages itself).
 
-    Injected: a CPU has no GPU memory to register. NIXL's native agent is replaced by
-    a subclass whose ``registerMem`` fails for VRAM exactly as the real one does
-    (UCX logs the ibv_reg_mr line; NIXL raises ``nixlBackendError('NIXL_ERR_BACKEND')``);
-    DRAM registrations and everything above the binding run for real.
+    Injected: loopback UCX registers any host memory. NIXL's native agent is
+    replaced by a subclass whose ``registerMem`` fails for DRAM exactly as the
+    real one does (UCX logs the ibv_reg_mr line; NIXL raises
+    ``nixlBackendError('NIXL_ERR_BACKEND')``); everything above the binding runs
+    for real.
     """
     import nixl._api
 
     bindings = nixl._api.nixlBind
-    vram_attempts: list[int] = []
+    dram_attempts: list[int] = []
 
-    class NoGpuDirectAgent(bindings.nixlAgent):
+    class NoLockedMemoryAgent(bindings.nixlAgent):
         def registerMem(self, descs: Any, backends: Any) -> Any:
-            if descs.getType() == bindings.VRAM_SEG:
-                vram_attempts.append(descs.descCount())
+            if descs.getType() == bindings.DRAM_SEG:
+                dram_attempts.append(descs.descCount())
                 print(UCX_IBV_REG_MR_LOG, file=sys.stderr)
                 raise bindings.nixlBackendError("NIXL_ERR_BACKEND")
             return super().registerMem(descs, backends)
 
-    monkeypatch.setattr(bindings, "nixlAgent", NoGpuDirectAgent)
+    monkeypatch.setattr(bindings, "nixlAgent", NoLockedMemoryAgent)
     with pytest.raises(KVCRUnavailableError) as info:
-        start_adapter("startup-no-gpudirect", framework_mem_type="VRAM")
-    assert vram_attempts, "KVCR never tried to register the GPU region"
+        start_adapter("startup-no-memlock")
+    assert dram_attempts, "KVCR never tried to register its DRAM"
     message = str(info.value)
     assert_one_line(message)
     # The cause is the binding's own error, raised inside nixl's register_memory:
-    # that call site, not the status text, is what selects the GPUDirect remedy.
+    # that call site, not the status text, is what selects the registration remedy.
     chain: list[BaseException] = []
     link = info.value.__cause__
     while link is not None and link not in chain:
@@ -233,7 +234,7 @@ def test_gpu_registration_failure_names_ucx_tls_and_nvidia_peermem(monkeypatch):
     assert "register_memory" in kvcr_factory._nixl_calls(raised[0])
     cause, remedy = split_startup_error(message)
     assert cause == "NIXL_ERR_BACKEND"
-    assert remedy == kvcr_factory._REMEDY_GPUDIRECT
+    assert remedy == kvcr_factory._REMEDY_REGISTRATION
 
 
 # ---- the matcher itself ------------------------------------------------------------
@@ -257,7 +258,7 @@ def register_memory(exc: BaseException) -> BaseException:
         (RuntimeError("[Errno 98] Address already in use"), kvcr_factory._REMEDY_PORT),
         (
             RuntimeError(UCX_IBV_REG_MR_LOG.split("ERROR ")[1]),
-            kvcr_factory._REMEDY_GPUDIRECT,
+            kvcr_factory._REMEDY_REGISTRATION,
         ),
         (OSError(14, "Bad address"), ""),
         (RuntimeError("mmap failed: Bad address"), ""),
@@ -291,11 +292,11 @@ def test_remedy_matches_only_the_failures_it_knows(exc, remedy):
         (RuntimeError("No plugins available for NIXL"), ["NIXL_PLUGIN_DIR"]),
         (
             RuntimeError(UCX_IBV_REG_MR_LOG.split("ERROR ")[1]),
-            ["nvidia_peermem", "UCX_TLS"],
+            ["ulimit -l", "local_dram_bytes_per_worker", "UCX_TLS"],
         ),
         (RuntimeError("no DRAM for you"), []),
     ],
-    ids=["port", "no-ucx", "gpudirect", "unknown"],
+    ids=["port", "no-ucx", "registration", "unknown"],
 )
 def test_a_failed_start_is_one_line_with_the_cause_then_the_fix(exc, names):
     """Through the adapter's own startup path (a factory that raises): one line,

@@ -1,9 +1,9 @@
 """The one-copy offload: pool pages straight into KVCR DRAM, READY only after.
 
-KVCR (real kvcr 0.1.1 over CPU tensors) allocates a deposit's slots and keeps
-them FILLING; the linker's copier (``datapath/dram_copy.py``, wired in through
-``kvcr_patches/local_copy.py``) writes them, and only its report lets KVCR mark
-them READY. Here the copy is held, made late, made to fail and pointed at DRAM
+KVCR (real kvcr 0.1.1 over CPU tensors) allocates a deposit's slots (one per
+page, every span in it) and keeps them FILLING; the linker's copier
+(``datapath/dram_copy.py``, driven through ``kvcr_patches/page_fills.py``) writes
+them, and only its report lets KVCR mark them READY. Here the copy is held, made late, made to fail and pointed at DRAM
 that moved: no slot is ever READY before its bytes landed, a failed or late copy
 is a failed offload with its slots freed, and a round trip is byte-exact.
 """
@@ -38,8 +38,8 @@ from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
     DeviceBinding,
     DeviceStallError,
 )
-from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import local_copy
-from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.local_copy import SlotRef
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import page_fills
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.page_fills import SlotRef
 
 pytestmark = pytest.mark.kvcr
 
@@ -140,7 +140,7 @@ def test_a_copy_past_its_deadline_fails_and_frees_its_slots(held_copy):
 def test_a_failed_copy_is_a_failed_offload(monkeypatch, device):
     """A copy that raises part way (after its first run was queued, on CUDA)
     fails the offload: no READY slot, nothing to restore."""
-    original = DramCopier._copy_rows_device
+    original = DramCopier._copy_pages_device
 
     def broken_device(self, *args):
         original(self, *args)
@@ -150,7 +150,7 @@ def test_a_failed_copy_is_a_failed_offload(monkeypatch, device):
         raise RuntimeError("copy failed (injected)")
 
     if device == "cuda":
-        monkeypatch.setattr(DramCopier, "_copy_rows_device", broken_device)
+        monkeypatch.setattr(DramCopier, "_copy_pages_device", broken_device)
     else:
         monkeypatch.setattr(DramCopier, "_copy", broken)
     pool = make_pool(device)
@@ -185,12 +185,12 @@ def _copier(rows, storage):
 
 
 def test_dram_that_moved_is_never_written():
-    rows = {"kv:0": torch.arange(64, dtype=torch.uint8).view(4, 16)}
+    parts = {"kv": [torch.arange(64, dtype=torch.uint8).view(4, 16)]}
     store = torch.zeros(8 * 16, dtype=torch.uint8)
-    copier = _copier(rows, {"kv": store})
+    copier = _copier(parts, {"kv": store})
     try:
         stale = SlotRef("kv", store.data_ptr() + 4096, 16, 0)
-        job = copier.start([("kv:0", 1)], [stale], deadline=float("inf"))
+        job = copier.start([(1, stale)], deadline=float("inf"))
         wait_until(lambda: job.poll() is not None, what="job")
         assert job.poll() is False
         assert int(store.count_nonzero()) == 0
@@ -198,36 +198,43 @@ def test_dram_that_moved_is_never_written():
         assert copier.close(5)
 
 
-def test_pairs_land_in_their_slots_whatever_the_order():
-    """Property: any pages into any distinct slots (runs, strides, singles)."""
+def test_pages_land_in_their_slots_whatever_the_order():
+    """Property: any pages into any distinct slots (runs, strides, singles), each
+    slot holding every span of its page in span order."""
     rng = random.Random(5)
     interesting = 0
     for case in range(60):
-        parts, row = rng.choice([1, 2, 3]), rng.choice([16, 24, 64])
-        rows = {
-            f"kv:{k}": torch.randint(0, 255, (32, row), dtype=torch.uint8)
-            for k in range(parts)
-        }
-        store = torch.zeros(96 * row, dtype=torch.uint8)
+        nparts, row = rng.choice([1, 2, 3]), rng.choice([16, 24, 64])
+        spans = [
+            torch.randint(0, 255, (32, row), dtype=torch.uint8) for _ in range(nparts)
+        ]
+        slot_bytes = nparts * row
+        store = torch.zeros(96 * slot_bytes, dtype=torch.uint8)
         n = rng.randint(1, 20)
-        slots = rng.sample(range(96), n * parts)
+        slots = rng.sample(range(96), n)
         if case % 2:
             slots.sort()
-        sources = [
-            (f"kv:{k}", rng.randrange(32)) for _ in range(n) for k in range(parts)
-        ]
-        refs = [SlotRef("kv", store.data_ptr(), row, s) for s in slots]
+        pages = [rng.randrange(32) for _ in range(n)]
+        refs = [SlotRef("kv", store.data_ptr(), slot_bytes, s) for s in slots]
         interesting += len(plan_runs(sorted(slots))) < len(slots)
-        copier = _copier(rows, {"kv": store})
+        copier = _copier({"kv": spans}, {"kv": store})
         try:
-            job = copier.start(sources, refs, deadline=float("inf"))
-            wait_until(lambda j=job: j.poll() is not None, what="job")
-            assert job.poll() is True
+            job = copier.start(list(zip(pages, refs)), deadline=float("inf"))
+            if case % 3 == 2:
+                # The CUDA path's assembly (scratch laid out as the slots, chunked
+                # by its size), run here on CPU tensors: the same placement.
+                copier.SCRATCH_BYTES = rng.choice([1, 2, 5]) * slot_bytes
+                job.cancel()
+                for group in copier._groups(job):
+                    copier._copy_pages_device(group)
+            else:
+                wait_until(lambda j=job: j.poll() is not None, what="job")
+                assert job.poll() is True
         finally:
             assert copier.close(5)
-        view = store.view(96, row)
-        for (label, index), slot in zip(sources, slots, strict=True):
-            assert torch.equal(view[slot], rows[label][index])
+        view = store.view(96, slot_bytes)
+        for page, slot in zip(pages, slots, strict=True):
+            assert torch.equal(view[slot], torch.cat([s[page] for s in spans]))
         untouched = set(range(96)) - set(slots)
         assert all(int(view[s].count_nonzero()) == 0 for s in untouched)
     assert interesting >= 20  # most cases had multi-slot runs, not only singles
@@ -240,15 +247,18 @@ def test_plan_runs_splits_on_stride_changes():
 
 
 def test_a_pair_the_copier_cannot_write_is_refused():
-    rows = {"kv:0": torch.zeros(4, 16, dtype=torch.uint8)}
+    parts = {"kv": [torch.zeros(4, 16, dtype=torch.uint8)]}
     store = torch.zeros(8 * 16, dtype=torch.uint8)
-    copier = _copier(rows, {"kv": store})
+    copier = _copier(parts, {"kv": store})
     try:
-        for label, index, size in (("kv:9", 0, 16), ("kv:0", 7, 16), ("kv:0", 0, 32)):
+        for pool, page, size, slot in (
+            ("kv9", 0, 16, 0),  # no such pool
+            ("kv", 7, 16, 0),  # no such page
+            ("kv", 0, 32, 0),  # a slot of another size
+            ("kv", 0, 16, 8),  # no such slot
+        ):
             job = dram_copy.CopyJob(
-                [(label, index)],
-                [SlotRef("kv", store.data_ptr(), size, 0)],
-                float("inf"),
+                [(page, SlotRef(pool, store.data_ptr(), size, slot))], float("inf")
             )
             with pytest.raises(CopyRefused):
                 copier._groups(job)
@@ -259,10 +269,10 @@ def test_a_pair_the_copier_cannot_write_is_refused():
 def test_install_refuses_another_kvcr(monkeypatch):
     import importlib.metadata
 
-    monkeypatch.setattr(local_copy, "_installed", False)
+    monkeypatch.setattr(page_fills, "_installed", False)
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.2.0")
-    with pytest.raises(local_copy.LocalCopyUnsupported, match=r"kvcr==0\.1\.1"):
-        local_copy.install()
+    with pytest.raises(page_fills.PageFillUnsupported, match=r"kvcr==0\.1\.1"):
+        page_fills.install()
 
 
 def test_a_wedged_copier_fails_its_offloads_and_takes_the_linker_down(monkeypatch):
@@ -293,4 +303,63 @@ def test_a_wedged_copier_fails_its_offloads_and_takes_the_linker_down(monkeypatc
         assert lk.pop_completed_offload() is False
         assert lk.copier.close(1) is False  # a copy may still write its slots
     finally:
+        lk.close()
+
+
+@pytest.mark.parametrize("lands", [True, False])
+def test_an_offload_of_pages_still_filling_reports_that_fill(monkeypatch, lands):
+    """The same pages offloaded again while their first copy is held: the
+    second deposit does not copy them again and reports the first copy's
+    outcome (stored if it landed, failed if it did not)."""
+    release, started = threading.Event(), threading.Event()
+    original = DramCopier._copy
+
+    def held(self, job, stream):
+        started.set()
+        assert release.wait(10), "test never released the copy"
+        if not lands:
+            raise RuntimeError("copy failed (injected)")
+        original(self, job, stream)
+
+    monkeypatch.setattr(DramCopier, "_copy", held)
+    pool = make_pool()
+    fill_random(pool, [1, 2], seed=17)
+    lk = make_linker(pool)
+    try:
+        hashes = hashes_for(2, "twice")
+        assert lk.offload(kv_transfer(hashes, [1, 2])) is True
+        wait_until(lambda: (lk.num_completed_offloads(), started.is_set())[1])
+        assert lk.offload(kv_transfer(hashes, [1, 2])) is True
+        threading.Event().wait(0.1)
+        release.set()
+        wait_until(lambda: lk.num_completed_offloads() >= 2, what="both results")
+        assert lk.pop_completed_offload() is lands
+        assert lk.pop_completed_offload() is lands
+        assert lk.copier.copied_bytes == (2 * lk.layout.page_total if lands else 0)
+    finally:
+        release.set()
+        lk.close()
+
+
+def test_a_close_waits_for_a_running_copy_and_quarantines_one_it_outlives(
+    held_copy,
+):
+    """Closing while a deposit's copy runs: the close waits for it (bounded by
+    owner_wait_timeout_s); a copy still running then keeps the DRAM out of use
+    (quarantined), never freed under the copy."""
+    started, release = held_copy
+    pool = make_pool()
+    fill_random(pool, [1], seed=18)
+    lk = make_linker(pool, owner_wait_timeout_s=1.0)
+    try:
+        assert lk.offload(kv_transfer(hashes_for(1, "closing"), [1])) is True
+        wait_until(lambda: (lk.num_completed_offloads(), started.is_set())[1])
+        adapter = lk._adapter
+        assert adapter.close() is False  # the copy outlived the wait
+        assert adapter.retained is not None
+        assert adapter.reclaim(0.5) is False  # still writing
+        release.set()
+        wait_until(lambda: adapter.reclaim(0.5), what="reclaimed once copied")
+    finally:
+        release.set()
         lk.close()

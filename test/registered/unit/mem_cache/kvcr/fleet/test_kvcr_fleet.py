@@ -254,7 +254,7 @@ def test_a_hint_whose_fetch_was_refused_rides_on_the_requests_next_fetch(pool):
     try:
         release = stall_owner(lk)  # keep the first fetch (and its charge) in flight
         keys = tuple(lk.layout.block_key(h, "kv") for h in hashes_for(2, "miss"))
-        labels = tuple(lk.layout.pools[0].part_labels)
+        labels = (lk.layout.pools[0].block_label,)
         hint = fetch_hint("tcp://127.0.0.1:1", hashes_for(1, "h")).copy()
         big = Fetch(
             op_id=adapter.next_op_id(),

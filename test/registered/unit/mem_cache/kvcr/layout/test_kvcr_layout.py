@@ -32,6 +32,7 @@ from sglang.srt.mem_cache.storage.kvcr.layout.pool_layout import (
     ModelIdentity,
     PoolLayout,
     Span,
+    block_part_rows,
 )
 
 IDENTITY = ModelIdentity("org/model", "rev-a", "", 0, 2)
@@ -136,14 +137,14 @@ def test_parts_are_layer_major_with_k_and_v_of_a_layer_adjacent():
     assert (layout.num_layers, layout.page_size) == (3, 4)
 
 
-def test_memory_refs_name_every_part_in_span_order_for_one_page():
-    """memory_refs gives one MemoryRef per span, own agent, element = page."""
+def test_a_block_is_one_slot_holding_every_span_in_span_order():
+    """One part per block (``kv:page``), every span's page in it; slot ``s`` is
+    rows ``s*n .. s*n+n-1`` of the pool's DRAM viewed as span-sized rows."""
     kv = layout_of(mha(layers=2)).pool("kv")
-    refs = kv.memory_refs(AGENT, 3)
-    assert [r.label for r in refs] == kv.part_labels
-    assert {(r.end_point_name, r.element_index) for r in refs} == {(AGENT, 3)}
-    with pytest.raises(KVCRLayoutError, match="outside pool"):
-        kv.memory_refs(AGENT, kv.num_pages)
+    assert kv.block_label == "kv:page"
+    assert kv.block_bytes == len(kv.spans) * kv.page_bytes == 4 * kv.page_bytes
+    assert block_part_rows(3, len(kv.spans)) == (12, 13, 14, 15)
+    assert block_part_rows(0, 1) == (0,)
 
 
 def test_mla_pool_is_one_span_per_layer_of_the_latent_row():
@@ -159,8 +160,8 @@ def test_k_and_v_of_different_sizes_become_separate_kvcr_pools():
     """v_head_dim != head_dim splits the pool into kv (K parts) and kv_1 (V parts)."""
     layout = layout_of(mha(head_dim=8, v_head_dim=4, layers=2))
     assert layout.kvcr_pool_layouts() == [
-        ("kv", 4 * 2 * 8 * 2),
-        ("kv_1", 4 * 2 * 4 * 2),
+        ("kv", 2 * (4 * 2 * 8 * 2)),  # a block: both layers' K pages
+        ("kv_1", 2 * (4 * 2 * 4 * 2)),
     ]
     assert layout.pool("kv").part_labels == ["kv:k0", "kv:k1"]
     assert layout.pool("kv_1").part_labels == ["kv_1:v0", "kv_1:v1"]
@@ -177,29 +178,11 @@ def test_a_sidecar_draft_pool_is_its_own_kvcr_pool_and_needs_a_draft_identity():
         layout_of(mla(), draft_pool=mha(layers=1))
 
 
-def test_region_descriptors_cover_each_span_with_page_sized_elements():
-    """One DRAM region per span: addr=base, size=page_bytes, count=num_pages."""
-    layout = layout_of(mha(layers=2))
-    regions = layout.region_descriptors()
-    spans = layout.pool("kv").spans
-    assert [r.label for r in regions] == [s.label for s in spans]
-    for region, span in zip(regions, spans, strict=True):
-        assert (region.mem_type, region.device_Id, region.stride) == ("DRAM", 0, 0)
-        assert (region.addr, region.size, region.count) == (
-            span.base_ptr,
-            span.page_bytes,
-            span.num_pages,
-        )
-
-
-def test_vram_and_strided_spans_map_to_kvcr_region_fields():
-    """A CUDA pool registers VRAM on its device; a gapped span sets stride."""
+def test_spans_that_overlap_or_differ_in_size_are_refused():
     span = Span(
         "kv:k0", 4096, page_stride_bytes=512, page_bytes=256, num_pages=8, layer=0
     )
-    pool = PoolLayout("kv", "kv", (span,), mem_type="VRAM", device_id=1)
-    (region,) = pool.region_descriptors()
-    assert (region.mem_type, region.device_Id, region.stride) == ("VRAM", 1, 512)
+    assert PoolLayout("kv", "kv", (span,)).block_bytes == 256
     with pytest.raises(KVCRLayoutError, match="non-overlapping"):
         PoolLayout("kv", "kv", (Span("kv:k0", 0, 128, 256, 8, 0),))
     with pytest.raises(KVCRLayoutError, match="equal-sized"):
@@ -349,7 +332,8 @@ def test_key_adapter_encode_accepts_only_this_layouts_keys():
 
 @pytest.mark.parametrize("ranks", [1, 2, 3], ids=["1rank", "2ranks", "3ranks"])
 def test_capacity_gives_every_pool_the_same_page_count_within_a_rank_share(ranks: int):
-    """slot_count = pages*parts per pool; bytes fit budget//ranks; tail reported."""
+    """slot_count = pages per pool (one slot a page); bytes fit budget//ranks;
+    tail reported."""
     layout = layout_of(
         mha(head_dim=8, v_head_dim=4, layers=2),
         identity=DRAFT_IDENTITY,
@@ -361,12 +345,9 @@ def test_capacity_gives_every_pool_the_same_page_count_within_a_rank_share(ranks
     assert plan.pages == 10 and plan.budget_bytes == budget // ranks
     assert [c.name for c in plan.pools] == layout.pool_names
     for cap, pool in zip(plan.pools, layout.pools, strict=True):
-        assert cap.slot_count == plan.pages * len(pool.spans)
-        assert (
-            cap.bytes
-            == cap.slot_count * cap.block_size
-            == cap.slot_count * pool.page_bytes
-        )
+        assert cap.slot_count == plan.pages
+        assert cap.block_size == pool.block_bytes == len(pool.spans) * pool.page_bytes
+        assert cap.bytes == cap.slot_count * cap.block_size
     used = sum(c.bytes for c in plan.pools)
     assert used + plan.unused_bytes == budget // ranks
     assert 0 <= plan.unused_bytes < per_page
@@ -467,15 +448,6 @@ def _poll(kv: Any, handle: int, deadline_s: float = 10.0) -> dict[bytes, Any]:
     raise AssertionError(f"kvcr op {handle} did not complete in {deadline_s}s")
 
 
-def page_refs(layout: PageLayout, hashes: list[str], pages: list[int]) -> dict:
-    """KVCR block key -> this agent's memory refs, for every pool of each page."""
-    return {
-        layout.block_key(h, p.name): p.memory_refs(AGENT, page)
-        for h, page in zip(hashes, pages, strict=True)
-        for p in layout.pools
-    }
-
-
 GEOMETRIES: dict[str, Callable[[], Any]] = {
     "mha": lambda: mha(layers=2),
     "mha-split-k-v": lambda: mha(head_dim=8, v_head_dim=4, layers=2),
@@ -485,14 +457,25 @@ GEOMETRIES: dict[str, Callable[[], Any]] = {
 
 @pytest.mark.kvcr
 @pytest.mark.parametrize("geometry", list(GEOMETRIES), ids=list(GEOMETRIES))
-def test_real_kvcr_deposits_fetches_and_delivers_pages_byte_exact(
+def test_real_kvcr_fills_and_claims_whole_pages_byte_exact(
     geometry: str, monkeypatch: pytest.MonkeyPatch
 ):
-    """Pages 1,2 -> KVCR DRAM -> fetch with part labels -> pages 5,6, exactly."""
+    """Pages 1,2 of every pool -> one KVCR slot each (the linker's copier through
+    kvcr's own fill path) -> fetched with the block label: each claimed slot
+    holds every span's page, in span order, exactly; nothing of the pools is
+    registered with KVCR."""
     import kvcr.progress
     from kvcr import KVCR, KVCRBindings
     from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions
     from kvcr.types import OpEntryStatus
+
+    from sglang.srt.mem_cache.storage.kvcr.datapath.device_pages import page_rows
+    from sglang.srt.mem_cache.storage.kvcr.datapath.dram_copy import DramCopier
+    from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
+        DeviceBinding,
+    )
+    from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import EntryStatus
+    from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import page_fills
 
     original = kvcr.progress.nixl_agent_config
     monkeypatch.setattr(
@@ -508,9 +491,12 @@ def test_real_kvcr_deposits_fetches_and_delivers_pages_byte_exact(
             torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator)
         )
     layout = layout_of(pool)
-    per_page = sum(len(p.spans) * p.page_bytes for p in layout.pools)
-    plan = plan_capacity(layout, 4 * per_page + 100, 1)
-    storage = [torch.zeros(c.bytes, dtype=torch.uint8) for c in plan.pools]
+    plan = plan_capacity(layout, 4 * layout.page_total + 100, 1)
+    storage = {c.name: torch.zeros(c.bytes, dtype=torch.uint8) for c in plan.pools}
+    rows = {
+        p.name: [page_rows(t, 4, p.page_bytes) for t in p.tensors] for p in layout.pools
+    }
+    copier = DramCopier(rows, lambda: storage, DeviceBinding.of(torch.device("cpu")))
     ids = itertools.count(1)
     kv = KVCR(
         KVCRConfig(
@@ -527,42 +513,44 @@ def test_real_kvcr_deposits_fetches_and_delivers_pages_byte_exact(
             key_adapter=KeyAdapter(layout),
         ),
         KVCRBackendConfigs(
-            framework_regions=layout.region_descriptors(),
-            local_dram=LocalDramOptions(pools=layout.local_dram_regions(storage)),
+            local_dram=LocalDramOptions(
+                pools=layout.local_dram_regions(list(storage.values()))
+            ),
         ),
     )
     try:
-        src, dst = [1, 2], [5, 6]
+        page_fills.attach(kv, copier)
+        src = [1, 2]
         hashes = [page_hash(p) for p in src]
-        results = _poll(kv, kv.deposit(page_refs(layout, hashes, src)))
-        assert {r.status for r in results.values()} == {OpEntryStatus.SUCCESS}
+        blocks = {
+            layout.block_key(h, p.name): (p.block_label, page)
+            for h, page in zip(hashes, src, strict=True)
+            for p in layout.pools
+        }
+        fill = page_fills.begin(kv, blocks, lambda: None)
+        end = time.monotonic() + 10
+        while (results := page_fills.poll(kv, fill)) is None:
+            assert time.monotonic() < end, "fill never completed"
+            time.sleep(0.001)
+        assert set(results.values()) == {EntryStatus.SUCCESS}
         assert len(results) == 2 * len(layout.pools)
         handles = []
         for p in layout.pools:
             keys = [layout.block_key(h, p.name) for h in hashes]
-            fetched = _poll(kv, kv.fetch(keys, expected_layout=p.part_labels))
-            for key in keys:
+            fetched = _poll(kv, kv.fetch(keys, expected_layout=[p.block_label]))
+            slots = storage[p.name].view(-1, p.block_bytes)
+            for key, page in zip(keys, src, strict=True):
                 entry = fetched[key]
                 assert entry.status is OpEntryStatus.SUCCESS, (p.name, entry)
-                assert [d.label for d in entry.descriptors] == p.part_labels
+                ((ref,),) = [entry.descriptors]
+                assert ref.label == p.block_label
+                want = torch.cat([r[page] for r in rows[p.name]])
+                assert torch.equal(slots[ref.element_index], want)
                 handles.append(entry.release_handle)
-        before = [buf.clone() for buf in buffers(pool)]
-        results = _poll(kv, kv.deliver(page_refs(layout, hashes, dst)))
-        assert {r.status for r in results.values()} == {OpEntryStatus.SUCCESS}
-        rows = {
-            d * 4 + r: s * 4 + r
-            for s, d in zip(src, dst, strict=True)
-            for r in range(4)
-        }
-        for old, new in zip(before, buffers(pool), strict=True):
-            expected = old.clone()
-            for d, s in rows.items():
-                expected[d] = old[s]
-            assert torch.equal(new.view(torch.uint8), expected.view(torch.uint8))
-            assert not torch.equal(new[20:28], old[20:28])
         assert all(ok for _, ok in kv.release(handles))
     finally:
         kv.close()
+        assert copier.close(5)
 
 
 def test_importing_the_layout_module_does_not_import_kvcr():

@@ -14,6 +14,8 @@ from sglang.srt.mem_cache.storage.kvcr.config.errors import (
     KVCRAdapterFailed,
     KVCRUnavailableError,
 )
+from sglang.srt.mem_cache.storage.kvcr.datapath.dram_copy import DramCopier
+from sglang.srt.mem_cache.storage.kvcr.device.device_streams import DeviceBinding
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_adapter import KVCRAdapter
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     AdapterLimits,
@@ -29,11 +31,15 @@ pytestmark = pytest.mark.kvcr
 
 BLOCK = 4096
 SLOTS = 8
-SPIED = ("deposit", "fetch", "poll_completed", "query", "release", "close")
+SPIED = ("fetch", "poll_completed", "query", "release", "close")
 
 
 def _make(fw: torch.Tensor, store: torch.Tensor, name: str, *, offload_budget=1 << 30):
-    factory = kvcr_stack.small_kvcr_factory(name, fw, store, BLOCK)
+    copier = DramCopier(
+        {"kv": [fw]}, lambda: {"kv": store}, DeviceBinding.of(torch.device("cpu"))
+    )
+    _COPIERS.append(copier)
+    factory = kvcr_stack.small_kvcr_factory(name, store, BLOCK, copier=copier)
     limits = AdapterLimits(
         max_inflight_offload_bytes=offload_budget,
         max_inflight_prepare_bytes=1 << 30,
@@ -42,10 +48,20 @@ def _make(fw: torch.Tensor, store: torch.Tensor, name: str, *, offload_budget=1 
     return KVCRAdapter(factory, limits, name=name)
 
 
-def _ref(name: str, i: int):
-    from kvcr.types import MemoryRef
+_COPIERS: list[DramCopier] = []
 
-    return MemoryRef(end_point_name=name, label="kv", element_index=i)
+
+@pytest.fixture(autouse=True)
+def _stop_copiers():
+    """Each test's DRAM copiers stop with it (after its adapters closed)."""
+    yield
+    while _COPIERS:
+        assert _COPIERS.pop().close(5)
+
+
+def _ref(name: str, i: int) -> tuple[str, int]:
+    """A deposit's source: framework row ``i`` into a ``kv:page`` block."""
+    return ("kv:page", i)
 
 
 def _key(i: int) -> bytes:
@@ -94,7 +110,7 @@ def test_deposit_fetch_release_round_trip_is_byte_exact(buffers):
         adapter.submit(
             Deposit(
                 op_id=op,
-                blocks={_key(i): [_ref("adapter-rt", i)] for i in range(3)},
+                blocks={_key(i): _ref("adapter-rt", i) for i in range(3)},
                 nbytes=3 * BLOCK,
             )
         )
@@ -106,7 +122,7 @@ def test_deposit_fetch_release_round_trip_is_byte_exact(buffers):
                 op_id=op,
                 keys=tuple(_key(i) for i in range(3)) + (_key(99),),
                 request_id="r1",
-                expected_layout=("kv",),
+                expected_layout=("kv:page",),
                 nbytes=4 * BLOCK,
             )
         )
@@ -123,8 +139,9 @@ def test_deposit_fetch_release_round_trip_is_byte_exact(buffers):
 
 
 def test_every_kvcr_call_runs_on_the_owner_thread(buffers):
-    """Deposit, fetch, poll, query, release and close all run on the adapter's
-    thread, each at least once, driven through the adapter's own commands."""
+    """A deposit's slot reservation, fetch, poll, query, release and close all
+    run on the adapter's thread, each at least once, driven through the adapter's
+    own commands."""
     fw, store = buffers
     adapter = _make(fw, store, "adapter-thread")
     calls: list[tuple[str, str]] = []
@@ -138,11 +155,17 @@ def test_every_kvcr_call_runs_on_the_owner_thread(buffers):
                 return _orig(*a, **k)
 
             setattr(kv, name, spy)
+        local = kv._core._local_dram  # a deposit reserves its slots here
+        reserve = local.reserve_fill
+
+        def spy_reserve(*a, **k):
+            calls.append(("reserve_fill", threading.current_thread().name))
+            return reserve(*a, **k)
+
+        local.reserve_fill = spy_reserve
         op = adapter.next_op_id()
         adapter.submit(
-            Deposit(
-                op_id=op, blocks={_key(1): [_ref("adapter-thread", 1)]}, nbytes=BLOCK
-            )
+            Deposit(op_id=op, blocks={_key(1): _ref("adapter-thread", 1)}, nbytes=BLOCK)
         )
         _wait_for(adapter, op)
         assert adapter.call(lambda kv: kv.query([_key(1)]))[0][0].name == "HIT"
@@ -152,7 +175,7 @@ def test_every_kvcr_call_runs_on_the_owner_thread(buffers):
                 op_id=op,
                 keys=(_key(1),),
                 request_id="thread",
-                expected_layout=("kv",),
+                expected_layout=("kv:page",),
                 nbytes=BLOCK,
             )
         )
@@ -161,7 +184,7 @@ def test_every_kvcr_call_runs_on_the_owner_thread(buffers):
         _release_all(adapter, [entry.claim])
     finally:
         adapter.close()
-    assert {name for name, _ in calls} == set(SPIED), calls
+    assert {name for name, _ in calls} == {*SPIED, "reserve_fill"}, calls
     assert {thread for _, thread in calls} == {adapter.owner_thread.name}, calls
     assert threading.current_thread().name != adapter.owner_thread.name
 
@@ -176,7 +199,7 @@ def test_inventory_events_report_stores_and_evictions(buffers):
             op = adapter.next_op_id()
             adapter.submit(
                 Deposit(
-                    op_id=op, blocks={_key(i): [_ref("adapter-inv", i)]}, nbytes=BLOCK
+                    op_id=op, blocks={_key(i): _ref("adapter-inv", i)}, nbytes=BLOCK
                 )
             )
             deadline = time.monotonic() + 10
@@ -213,9 +236,9 @@ def test_offload_over_budget_is_refused_at_once_and_counted(buffers):
         stall.start()  # keeps the first deposit charged (in flight) meanwhile
         assert entered.wait(10)
         alone, over = adapter.next_op_id(), adapter.next_op_id()
-        big = {_key(i): [_ref("adapter-budget", i)] for i in range(3)}
+        big = {_key(i): _ref("adapter-budget", i) for i in range(3)}
         adapter.submit(Deposit(op_id=alone, blocks=big, nbytes=3 * BLOCK))
-        one = {_key(3): [_ref("adapter-budget", 3)]}
+        one = {_key(3): _ref("adapter-budget", 3)}
         adapter.submit(Deposit(op_id=over, blocks=one, nbytes=BLOCK))
         refused = _wait_for(adapter, over, timeout=1.0)
         assert {e.status for e in refused.entries.values()} == {EntryStatus.REFUSED}

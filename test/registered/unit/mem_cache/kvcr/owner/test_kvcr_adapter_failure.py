@@ -16,6 +16,7 @@ import pytest
 
 from cpu_harness.kvcr_pages import wait_until
 from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRAdapterFailed
+from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_executor
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_adapter import KVCRAdapter
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     AdapterLimits,
@@ -31,6 +32,16 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
 pytestmark = pytest.mark.kvcr
 
 BOOM = b"boom"
+
+
+@pytest.fixture(autouse=True)
+def stand_in_fills(monkeypatch):
+    """Deposits reach the stand-in's ``deposit`` (the real path reserves slots in
+    kvcr's core, which a stand-in has not) and their copies never finish."""
+    fills = kvcr_executor.page_fills
+    monkeypatch.setattr(fills, "begin", lambda kv, blocks, wake: kv.deposit(blocks))
+    monkeypatch.setattr(fills, "poll", lambda kv, fill: None)
+    monkeypatch.setattr(fills, "abandon", lambda kv, fill: True)
 
 
 class FlakyKVCR:

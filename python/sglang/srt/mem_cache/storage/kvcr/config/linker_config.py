@@ -106,6 +106,14 @@ class KVCRLinkerConfig:
             "ready with whatever pages have landed; the rest is recomputed."
         ),
     )
+    local_hit_wait_ms: int = dataclasses.field(
+        default=5,
+        metadata=_doc(
+            "How long preparing a request whose pages are all in this worker's "
+            "KVCR DRAM may wait for their claims, so it is admitted in the same "
+            "scheduling pass (0: never wait; it is then admitted a pass later)."
+        ),
+    )
     prepare_chunk_pages: int = dataclasses.field(
         default=64,
         metadata=_doc("Pages per KVCR fetch issued while preparing a request."),
@@ -194,7 +202,7 @@ class KVCRLinkerConfig:
             "How offloads reach KVCR DRAM: 'direct' (and 'auto') copies pool pages "
             "straight into KVCR's slots, one copy; 'staged' first copies them into a "
             "page-locked staging area (max_inflight_offload_bytes of it), a second "
-            "copy, for hosts where the pools cannot be registered with NIXL."
+            "copy, kept for comparison."
         ),
     )
     eviction_policy: str = dataclasses.field(
@@ -322,6 +330,7 @@ def _check(cfg: KVCRLinkerConfig) -> None:
     require_int(
         "prepare_chunk_pages", cfg.prepare_chunk_pages, minimum=1, maximum=1 << 20
     )
+    require_int("local_hit_wait_ms", cfg.local_hit_wait_ms, minimum=0, maximum=1000)
     for name in (
         "max_inflight_offload_bytes",
         "max_inflight_prepare_bytes",

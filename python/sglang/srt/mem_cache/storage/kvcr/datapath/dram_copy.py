@@ -1,13 +1,14 @@
-"""The one copy of an offload: framework page rows straight into KVCR DRAM slots.
+"""The one copy of an offload: pool pages straight into KVCR DRAM slots.
 
-KVCR allocates a deposit's slots and marks them FILLING; its copy op (patched in
-``kvcr_patches.local_copy``) hands the (source row, slot) pairs to this copier and
-completes, READY or failed, only when a job says every byte landed or that none
-will be written any more. A copier thread runs the jobs in order. On CPU each
-part's rows move with one ``index_select`` per arithmetic run of slots, written
-in place into the KVCR DRAM slots (16- or 8-byte elements): one pass over the
-bytes. On CUDA each run of consecutive slots is gathered on the device into a
-bounded scratch buffer and moved with one asynchronous device-to-host copy into
+A deposit (``kvcr_patches.page_fills``) reserves one KVCR slot per page through
+kvcr's fill path and hands the (source page, slot) pairs to this copier; the fill
+completes, READY or freed, only when a job says every byte landed or that none
+will be written any more. A slot holds every span of its page in span order. A
+copier thread runs the jobs in order. On CPU each span moves with one
+``index_select`` per arithmetic run of slots, written in place into the slots
+(16- or 8-byte elements): one pass over the bytes. On CUDA each run of
+consecutive slots is assembled on the device in a bounded scratch buffer, laid
+out as the slots are, and moved with one asynchronous device-to-host copy into
 the page-locked slots, on the copier's own stream, which is drained before the
 job reports. A deposit is only submitted after the offload's fences completed,
 so the rows are final when read. A slot whose pool no longer sits where kvcr
@@ -33,7 +34,7 @@ from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
     DeviceBinding,
     drain,
 )
-from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.local_copy import SlotRef
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.page_fills import SlotRef
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +48,11 @@ class JobState(enum.Enum):
 @dataclasses.dataclass(slots=True, eq=False)
 class CopyJob:
     """One deposit's pairs; ``poll`` is None until no byte of it can still be
-    written, then whether all of them landed."""
+    written, then whether all of them landed (``on_done`` runs then)."""
 
-    sources: list[tuple[str, int]]
-    slots: list[SlotRef]
+    pairs: list[tuple[int, SlotRef]]
     deadline: float
+    on_done: Callable[[], object] | None = None
     state: JobState = JobState.QUEUED
     landed: bool = False
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -61,28 +62,39 @@ class CopyJob:
 
     def cancel(self) -> None:
         with self.lock:
-            if self.state is JobState.QUEUED:
-                self.state = JobState.DONE  # never started: nothing writes its slots
+            if self.state is not JobState.QUEUED:
+                return
+            self.state = JobState.DONE  # never started: nothing writes its slots
+        self._notify()
 
     def claim(self) -> bool:
         """Move to RUNNING unless cancelled or past its deadline."""
         with self.lock:
             if self.state is not JobState.QUEUED:
                 return False
-            if time.monotonic() >= self.deadline:
-                self.state = JobState.DONE
-                return False
-            self.state = JobState.RUNNING
-            return True
+            if time.monotonic() < self.deadline:
+                self.state = JobState.RUNNING
+                return True
+            self.state = JobState.DONE
+        self._notify()
+        return False
 
     def finish(self, landed: bool) -> None:
         with self.lock:
             self.landed = landed
             self.state = JobState.DONE
+        self._notify()
+
+    def _notify(self) -> None:
+        if self.on_done is not None:
+            try:
+                self.on_done()
+            except Exception:  # a closed owner inbox: it polls no more anyway
+                logger.debug("KVCR copy job: done notice not delivered", exc_info=True)
 
 
 class CopyRefused(RuntimeError):
-    """A pair this copier cannot write (unknown row, size mismatch, DRAM moved)."""
+    """A pair this copier cannot write (unknown page, size mismatch, DRAM moved)."""
 
 
 def plan_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -103,18 +115,29 @@ def plan_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-class DramCopier:
-    """Copies deposits' rows into KVCR DRAM on its own thread (see module doc).
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolCopy:
+    """One pool's share of a job: every span's page rows, the pool's slots as
+    rows of ``slot_bytes``, and the (page, slot) pairs in slot order."""
 
-    ``sources``: framework label -> its ``(elements, row bytes)`` row view (the
-    pool's page rows, or the staging area's); ``storage``: the current KVCR DRAM
-    per pool (read at copy time)."""
+    parts: list[torch.Tensor]
+    slots_view: torch.Tensor
+    pages: list[int]
+    slots: list[int]
+
+
+class DramCopier:
+    """Copies deposits' pages into KVCR DRAM on its own thread (module doc).
+
+    ``sources``: KVCR pool -> each span's ``(pages, page bytes)`` row view, in span
+    order (the pool's page rows, or the staging area's); ``storage``: the current
+    KVCR DRAM per pool (read at copy time)."""
 
     SCRATCH_BYTES = 32 << 20
 
     def __init__(
         self,
-        sources: dict[str, torch.Tensor],
+        sources: dict[str, list[torch.Tensor]],
         storage: Callable[[], dict[str, torch.Tensor]],
         device: DeviceBinding,
     ) -> None:
@@ -134,9 +157,12 @@ class DramCopier:
         self._thread.start()
 
     def start(
-        self, sources: list[tuple[str, int]], slots: list[SlotRef], deadline: float
+        self,
+        pairs: list[tuple[int, SlotRef]],
+        deadline: float,
+        on_done: Callable[[], object] | None = None,
     ) -> CopyJob:
-        job = CopyJob(sources, slots, deadline)
+        job = CopyJob(pairs, deadline, on_done)
         self._jobs.put(job)
         return job
 
@@ -182,32 +208,30 @@ class DramCopier:
         """Every pair of ``job``; returns once all bytes have landed."""
         groups = self._groups(job)
         if stream is None:
-            for rows, store, pages, slots in groups:
-                _copy_rows(rows, store, pages, slots)
+            for group in groups:
+                _copy_pages(group)
         else:
             with self._device.on(stream):
-                for rows, store, pages, slots in groups:
-                    self._copy_rows_device(rows, store, pages, slots)
+                for group in groups:
+                    self._copy_pages_device(group)
             drain(stream)
-        self.copied_bytes += sum(len(g[2]) * g[0].shape[1] for g in groups)
+        self.copied_bytes += sum(len(g.pages) * g.slots_view.shape[1] for g in groups)
 
-    def _groups(
-        self, job: CopyJob
-    ) -> list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]]:
-        """Per (source label, pool): its row view, the pool's slot rows, and the
-        (row, slot) pairs in slot order; refuses any pair it cannot write."""
+    def _groups(self, job: CopyJob) -> list[PoolCopy]:
+        """Per pool: its spans' rows, its slot rows and the (page, slot) pairs in
+        slot order; refuses any pair it cannot write."""
         storage = self._storage()
-        by_key: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
+        by_pool: dict[str, list[tuple[int, int]]] = {}
         views: dict[str, torch.Tensor] = {}
-        for (label, index), ref in zip(job.sources, job.slots, strict=True):
-            rows = self._sources.get(label)
+        for page, ref in job.pairs:
+            parts = self._sources.get(ref.pool)
             store = storage.get(ref.pool)
             if store is None or store.data_ptr() != ref.address:
                 raise CopyRefused(f"KVCR DRAM of pool {ref.pool!r} was replaced")
-            if rows is None or not 0 <= index < rows.shape[0]:
-                raise CopyRefused(f"no framework row {label!r}[{index}]")
-            if rows.shape[1] != ref.slot_bytes:
-                raise CopyRefused(f"{label!r} rows are not {ref.slot_bytes} bytes")
+            if not parts or not 0 <= page < parts[0].shape[0]:
+                raise CopyRefused(f"no page {page} in pool {ref.pool!r}")
+            if sum(p.shape[1] for p in parts) != ref.slot_bytes:
+                raise CopyRefused(f"{ref.pool!r} pages are not {ref.slot_bytes} bytes")
             if ref.pool not in views:
                 count = store.numel() * store.element_size() // ref.slot_bytes
                 views[ref.pool] = store.view(torch.uint8)[
@@ -215,80 +239,78 @@ class DramCopier:
                 ].view(count, ref.slot_bytes)
             if not 0 <= ref.slot < views[ref.pool].shape[0]:
                 raise CopyRefused(f"slot {ref.slot} is outside pool {ref.pool!r}")
-            pages, slots = by_key.setdefault((label, ref.pool), ([], []))
-            pages.append(index)
-            slots.append(ref.slot)
+            by_pool.setdefault(ref.pool, []).append((ref.slot, page))
         out = []
-        for (label, pool), (pages, slots) in by_key.items():
-            order = sorted(range(len(slots)), key=slots.__getitem__)
+        for pool, pairs in by_pool.items():
+            pairs.sort()
             out.append(
-                (
-                    self._sources[label],
+                PoolCopy(
+                    self._sources[pool],
                     views[pool],
-                    [pages[i] for i in order],
-                    [slots[i] for i in order],
+                    [page for _, page in pairs],
+                    [slot for slot, _ in pairs],
                 )
             )
         return out
 
-    def _copy_rows_device(
-        self,
-        rows: torch.Tensor,
-        store: torch.Tensor,
-        pages: list[int],
-        slots: list[int],
-    ) -> None:
-        """Device rows -> page-locked slots: per chunk of consecutive slots, gather
-        on the device, then one asynchronous copy (queued on the current stream;
-        the caller drains it)."""
-        row_bytes = rows.shape[1]
-        per_chunk = max(1, self.SCRATCH_BYTES // row_bytes)
-        if self._scratch is None or self._scratch.numel() < per_chunk * row_bytes:
+    def _copy_pages_device(self, group: PoolCopy) -> None:
+        """Device pages -> page-locked slots: per chunk of consecutive slots, each
+        span gathered into its place in a scratch laid out as the slots, then one
+        asynchronous copy (queued on the current stream; the caller drains it)."""
+        slot_bytes = group.slots_view.shape[1]
+        per_chunk = max(1, self.SCRATCH_BYTES // slot_bytes)
+        device = group.parts[0].device
+        if self._scratch is None or self._scratch.numel() < per_chunk * slot_bytes:
             # Only between jobs (each drains its stream): no copy reads the old one.
             self._scratch = torch.empty(
-                per_chunk * row_bytes, dtype=torch.uint8, device=rows.device
+                per_chunk * slot_bytes, dtype=torch.uint8, device=device
             )
-        index = torch.tensor(pages, dtype=torch.long).to(rows.device)
+        index = torch.tensor(group.pages, dtype=torch.long).to(device)
+        slots = group.slots
         for a, b, stride in plan_runs(slots):
             if stride != 1:
                 for i in range(a, b):
-                    self._copy_chunk(rows, store, index, i, i + 1, slots[i])
+                    self._copy_chunk(group, index, i, i + 1)
                 continue
             for lo in range(a, b, per_chunk):
-                hi = min(b, lo + per_chunk)
-                self._copy_chunk(rows, store, index, lo, hi, slots[a] + lo - a)
+                self._copy_chunk(group, index, lo, min(b, lo + per_chunk))
 
     def _copy_chunk(
-        self,
-        rows: torch.Tensor,
-        store: torch.Tensor,
-        index: torch.Tensor,
-        lo: int,
-        hi: int,
-        first_slot: int,
+        self, group: PoolCopy, index: torch.Tensor, lo: int, hi: int
     ) -> None:
+        """Pairs ``[lo, hi)`` (consecutive slots) through the scratch."""
         assert self._scratch is not None
-        row_bytes = rows.shape[1]
-        picked = self._scratch[: (hi - lo) * row_bytes].view(hi - lo, row_bytes)
-        torch.index_select(rows, 0, index[lo:hi], out=picked)
-        store[first_slot : first_slot + hi - lo].copy_(picked, non_blocking=True)
+        slot_bytes = group.slots_view.shape[1]
+        picked = self._scratch[: (hi - lo) * slot_bytes].view(hi - lo, slot_bytes)
+        offset = 0
+        for rows in group.parts:
+            width = rows.shape[1]
+            picked[:, offset : offset + width].copy_(rows.index_select(0, index[lo:hi]))
+            offset += width
+        first = group.slots[lo]
+        group.slots_view[first : first + hi - lo].copy_(picked, non_blocking=True)
 
 
-def _copy_rows(
-    rows: torch.Tensor, store: torch.Tensor, pages: list[int], slots: list[int]
-) -> None:
-    """Host rows -> slots: one ``index_select`` per arithmetic run of slots, its
-    output a strided view of the slots themselves (no intermediate copy)."""
-    src = wide_rows(rows)
-    dst = wide_rows(store)
-    if src.dtype != dst.dtype:  # different alignment: plain bytes on both sides
-        src, dst = rows, store
-    width = dst.shape[1]
-    index = torch.tensor(pages, dtype=torch.long)
-    for a, b, stride in plan_runs(slots):
-        out = dst.as_strided(
-            (b - a, width),
-            (stride * dst.stride(0), 1),
-            dst.storage_offset() + slots[a] * dst.stride(0),
-        )
-        torch.index_select(src, 0, index[a:b], out=out)
+def _copy_pages(group: PoolCopy) -> None:
+    """Host pages -> slots: per span, one ``index_select`` per arithmetic run of
+    slots, its output a strided view of the slots themselves (no intermediate
+    copy)."""
+    index = torch.tensor(group.pages, dtype=torch.long)
+    runs = plan_runs(group.slots)
+    store = group.slots_view
+    offset = 0
+    for rows in group.parts:
+        width = rows.shape[1]
+        src = wide_rows(rows)
+        dst = wide_rows(store[:, offset : offset + width])
+        if src.dtype != dst.dtype:  # different alignment: plain bytes on both sides
+            src, dst = rows, store[:, offset : offset + width]
+        cols = dst.shape[1]
+        for a, b, stride in runs:
+            out = dst.as_strided(
+                (b - a, cols),
+                (stride * dst.stride(0), 1),
+                dst.storage_offset() + group.slots[a] * dst.stride(0),
+            )
+            torch.index_select(src, 0, index[a:b], out=out)
+        offset += width

@@ -202,7 +202,6 @@ class OffloadQueue:
 def split_deposits(
     deferred: DeferredOffload,
     block_key: Callable[[str, str], bytes],
-    agent: str,
     pool_page_bytes: dict[str, int],
     next_op_id: Callable[[], OpId],
 ) -> list[Deposit]:
@@ -223,8 +222,7 @@ def split_deposits(
         Deposit(
             op_id=next_op_id(),
             blocks={
-                block_key(h, pool.name): pool.memory_refs(agent, p)
-                for pool, h, p in chunk
+                block_key(h, pool.name): (pool.block_label, p) for pool, h, p in chunk
             },
             nbytes=sum(pool_page_bytes[pool.name] for pool, *_ in chunk),
         )

@@ -1,7 +1,8 @@
-"""Host staging for offloads: device pages -> pinned host slots -> KVCR deposit.
+"""Host staging for offloads (``offload_path = "staged"``): device pages -> pinned
+host slots -> KVCR deposit, whose copier reads the staging slots.
 
-NIXL's same-agent VRAM route is slow, so for GPU pools the linker registers a
-page-locked host staging area with KVCR instead of the device buffers. An offload takes
+The explicit two-copy path, kept for comparison and for hosts where reading the
+pools from a side thread after the offload's fences is not wanted. An offload takes
 free staging slots (none free: the offload fails at once, counted as backpressure),
 a stager thread (bound to the pools' device) orders its own stream after the
 offload-ready events, gathers each part's pages on the device into a bounded
@@ -77,36 +78,14 @@ class HostStaging:
         )
         self._thread.start()
 
-    def region_descriptors(self) -> list[Any]:
-        """KVCR framework regions over the staging area (DRAM), labelled per part."""
-        from kvcr.types import RegionDescriptor
-
-        regions = []
-        for pool in self._pools:
-            buf = self.buffers[pool.name]
-            for part, label in enumerate(pool.part_labels):
-                regions.append(
-                    RegionDescriptor(
-                        mem_type="DRAM",
-                        addr=buf[part].data_ptr(),
-                        size=pool.page_bytes,
-                        count=self.pages,
-                        label=label,
-                    )
-                )
-        return regions
-
     def part_rows(self) -> dict[str, list[torch.Tensor]]:
         """Per pool, each part's ``(slots, page bytes)`` rows (what deposits read)."""
         return {name: list(buf.unbind(0)) for name, buf in self.buffers.items()}
 
-    def memory_refs(self, agent: str, pool: Any, slot: int) -> list[Any]:
-        from kvcr.types import MemoryRef
-
-        return [
-            MemoryRef(end_point_name=agent, label=label, element_index=slot)
-            for label in pool.part_labels
-        ]
+    @staticmethod
+    def block_source(pool: Any, slot: int) -> tuple[str, int]:
+        """A deposit's source for one page staged in ``slot`` of ``pool``."""
+        return (pool.block_label, slot)
 
     def alloc(self, n: int) -> tuple[int, ...] | None:
         """``n`` free slots, or None (the offload fails: backpressure)."""

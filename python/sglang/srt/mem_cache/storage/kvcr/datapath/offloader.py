@@ -2,12 +2,13 @@
 
 ``Offloader.offload`` turns one write-through's transfers into deposits and puts
 its result in the ``OffloadQueue`` at once (results pair by position across
-ranks, so every call gets one, failed or not). Staged path (GPU hosts by default):
-the pages are copied into page-locked staging slots on the stager's thread, which
-submits the deposit after its stream has drained. Direct path: KVCR reads the
-device pages itself; the deposit is deferred until fences say the pages are
-written and their numbers reached the host, then built (split in two when large)
-by a later pump, never waiting on the scheduler thread. Nothing here calls KVCR
+ranks, so every call gets one, failed or not). Direct path (the default): the
+deposit is deferred until fences say the pages are written and their numbers
+reached the host, then built (split when large) by a later pump, never waiting
+on the scheduler thread; the copier reads the pool pages straight into KVCR's
+slots. Staged path: the pages are first copied into page-locked staging slots on
+the stager's thread, which submits the deposit (read from staging) after its
+stream has drained. Nothing here calls KVCR
 except through the adapter's thread-safe ``submit``.
 """
 
@@ -131,8 +132,8 @@ class Offloader:
                 return
             try:
                 blocks = {
-                    self.layout.block_key(h, g.pool.name): staging.memory_refs(
-                        agent, g.pool, slots[ordinal[h]]
+                    self.layout.block_key(h, g.pool.name): staging.block_source(
+                        g.pool, slots[ordinal[h]]
                     )
                     for g in groups
                     for h in g.keys
@@ -182,7 +183,6 @@ class Offloader:
                 deposits = split_deposits(
                     deferred,
                     self.layout.block_key,
-                    agent,
                     self.layout.object_bytes,
                     adapter.next_op_id,
                 )

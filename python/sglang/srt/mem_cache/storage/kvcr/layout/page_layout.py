@@ -1,12 +1,13 @@
-"""Describe SGLang KV pools as KVCR multi-part blocks, and key those blocks.
+"""Describe SGLang KV pools as KVCR blocks, and key those blocks.
 
 Every entry of the model's ``DevicePoolGroup`` (``pool_group_layout``) becomes one
 KVCR pool (``kv``, ``kv_1``, ... when its buffers' page sizes differ: KVCR has one
 block size per pool) with a :class:`Span` per buffer on its transfer layer, its
 entry's index source, translation and rows per page, and its hit policy
-(:class:`HitPolicy`). Each span is one KVCR framework region ``pool:part`` whose
-element ``i`` is page ``i``; a block is one page of one pool, one ``MemoryRef``
-per span. Keys carry a digest of the :class:`ModelIdentity` (checkpoint content,
+(:class:`HitPolicy`). A block is one page of one pool: one KVCR DRAM slot of
+``block_bytes`` holding every span's page in span order (one part,
+``pool:page``); the linker copies pages in and out itself, so no framework memory
+is registered with KVCR. Keys carry a digest of the :class:`ModelIdentity` (checkpoint content,
 config, revision, draft, KV-changing settings, weight version) and the entries'
 geometry (dtypes, row shapes, page size, layers, policies, the attention shard
 unless the group is rank-replicated), never pointers, page counts, worker or
@@ -36,11 +37,11 @@ from sglang.srt.mem_cache.storage.kvcr.layout.pool_layout import (
 )
 
 if TYPE_CHECKING:
-    from kvcr.types import BlockKey, RegionDescriptor
+    from kvcr.types import BlockKey
 
 logger = logging.getLogger(__name__)
 
-KEY_TAG = "kvcr-linker-v1"
+KEY_TAG = "kvcr-linker-v2"  # v2: a block is one slot holding every span
 _PAGE_HASH = re.compile(r"[0-9a-fA-F]{16}")
 NO_MATCH_HASH = -1  # KeyAdapter.decode result for foreign keys; router hashes are >= 0
 
@@ -103,7 +104,7 @@ class PageLayout:
             for s in sources
         )
         object.__setattr__(self, "window_groups", groups)
-        sizes = {p.name: p.page_bytes * len(p.spans) for p in self.pools}
+        sizes = {p.name: p.block_bytes for p in self.pools}
         object.__setattr__(self, "object_bytes", sizes)
         object.__setattr__(self, "page_total", sum(sizes.values()))
 
@@ -211,11 +212,8 @@ class PageLayout:
     def block_key(self, page_hash: str, pool: str) -> BlockKey:
         return cast("BlockKey", self.make_key(page_hash, pool).encode())
 
-    def region_descriptors(self) -> list[RegionDescriptor]:
-        return [d for p in self.pools for d in p.region_descriptors()]
-
     def kvcr_pool_layouts(self) -> list[tuple[str, int]]:
-        return [(p.name, p.page_bytes) for p in self.pools]
+        return [(p.name, p.block_bytes) for p in self.pools]
 
     def local_dram_regions(
         self, storage_tensors: Sequence[torch.Tensor]
@@ -228,12 +226,13 @@ class PageLayout:
         regions = []
         for p, t in zip(self.pools, storage_tensors, strict=True):
             nbytes = t.numel() * t.element_size()
-            if t.device.type != "cpu" or not t.is_contiguous() or nbytes < p.page_bytes:
+            size = p.block_bytes
+            if t.device.type != "cpu" or not t.is_contiguous() or nbytes < size:
                 raise KVCRLayoutError(
                     f"storage for {p.name!r} must be a contiguous CPU tensor of at "
-                    f"least one {p.page_bytes}-byte block"
+                    f"least one {size}-byte block"
                 )
-            regions.append((p.name, t.data_ptr(), nbytes - nbytes % p.page_bytes))
+            regions.append((p.name, t.data_ptr(), nbytes - nbytes % size))
         return regions
 
 
@@ -284,7 +283,7 @@ def plan_capacity(
     if local_ranks < 1 or local_dram_bytes_per_worker < 0:
         raise KVCRConfigError("capacity needs local_ranks >= 1 and a byte budget >= 0")
     budget = local_dram_bytes_per_worker // local_ranks
-    per_page = sum(len(p.spans) * p.page_bytes for p in layout.pools)
+    per_page = sum(p.block_bytes for p in layout.pools)
     pages = budget // per_page
     if pages < 1:
         raise KVCRConfigError(
@@ -293,9 +292,9 @@ def plan_capacity(
             f"{per_page}-byte page; set it to at least {per_page * local_ranks} "
             "in --unified-cache-external-linker-config"
         )
-    slots = [(p, pages * len(p.spans)) for p in layout.pools]
     pools = tuple(
-        PoolCapacity(p.name, p.page_bytes, n, n * p.page_bytes) for p, n in slots
+        PoolCapacity(p.name, p.block_bytes, pages, pages * p.block_bytes)
+        for p in layout.pools
     )
     return CapacityPlan(pages, pools, budget, budget - pages * per_page)
 

@@ -1,11 +1,13 @@
 """The value types of a KVCR page layout: one pool's spans, policy and identity.
 
-A :class:`PoolLayout` is one KVCR pool (one block size) of one ``DevicePoolEntry``:
-a :class:`Span` per buffer on its transfer layer, the entry's index source,
-translation and rows per page, and its :class:`HitPolicy`. :class:`ModelIdentity`
+A :class:`PoolLayout` is one KVCR pool of one ``DevicePoolEntry``: a :class:`Span`
+per buffer on its transfer layer (equal page sizes), the entry's index source,
+translation and rows per page, and its :class:`HitPolicy`. A KVCR block is one
+page of one pool, every span in one slot (one part, ``block_label``), so KVCR's
+per-object work is per page, not per layer. :class:`ModelIdentity`
 is what makes KV bytes reusable across instances (the digest's model inputs), and
 :class:`KVCRLayoutError` the refusal of anything that cannot be described exactly.
-No SGLang imports; kvcr only for type names.
+No SGLang or kvcr imports.
 """
 
 from __future__ import annotations
@@ -13,14 +15,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRLinkerError
-
-if TYPE_CHECKING:
-    from kvcr.types import MemoryRef, RegionDescriptor
 
 SUPPORTED = (
     "the KVCR linker supports dense MHA/MLA pools (MHATokenToKVPool, "
@@ -151,32 +149,19 @@ class PoolLayout:
     def layer_part_indices(self, layer: int) -> list[int]:
         return [i for i, s in enumerate(self.spans) if s.layer == layer]
 
-    def memory_refs(self, agent_name: str, page_index: int) -> list[MemoryRef]:
-        from kvcr.types import MemoryRef
+    @property
+    def block_label(self) -> str:
+        """The one part label of this pool's KVCR blocks: a page's every span
+        sits in one slot, span ``i`` at ``i * page_bytes``."""
+        return f"{self.name}:page"
 
-        if not 0 <= page_index < self.num_pages:
-            raise KVCRLayoutError(f"page {page_index} is outside pool {self.name!r}")
-        return [
-            MemoryRef(
-                end_point_name=agent_name, label=s.label, element_index=page_index
-            )
-            for s in self.spans
-        ]
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KVCR block (slot): every span of one page."""
+        return self.page_bytes * len(self.spans)
 
-    def region_descriptors(self) -> list[RegionDescriptor]:
-        from kvcr.types import RegionDescriptor
 
-        return [
-            RegionDescriptor(
-                mem_type=self.mem_type,
-                device_Id=self.device_id,
-                addr=s.base_ptr,
-                stride=s.page_stride_bytes
-                if s.page_stride_bytes != s.page_bytes
-                else 0,
-                count=s.num_pages,
-                size=s.page_bytes,
-                label=s.label,
-            )
-            for s in self.spans
-        ]
+def block_part_rows(slot: int, parts: int) -> tuple[int, ...]:
+    """Rows of one span's page size (a pool's KVCR DRAM viewed as span rows)
+    holding the ``parts`` spans of the block in ``slot``, in span order."""
+    return tuple(range(slot * parts, slot * parts + parts))

@@ -100,6 +100,9 @@ class LinkerStats:
     offload_staging_full: int = 0
     refused_abandoned: int = 0
     refused_claimed: int = 0  # preparations refused: claims over max_claimed_bytes
+    # Local-only preparations whose claims took longer than local_hit_wait_ms
+    # (admitted a pass later).
+    local_hit_waits_expired: int = 0
     evicted_pages: int = 0
     refused_weights_changed: int = 0  # lookups between a weight update and flush
     samples: Samples = dataclasses.field(default_factory=Samples)
@@ -208,6 +211,7 @@ def snapshot(
         "claims_held": p.claims_held,
         "claimed_bytes": p.claimed_bytes,
         "refused_claimed": s.refused_claimed,
+        "local_hit_waits_expired": s.local_hit_waits_expired,
         "refused_offload": adapter.refused_offload,
         "refused_prepare": adapter.refused_prepare,
         "inflight_offload_bytes": adapter.inflight_offload_bytes,

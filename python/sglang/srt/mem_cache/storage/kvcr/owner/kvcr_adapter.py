@@ -70,6 +70,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _STOP = object()
+_WAKE = object()  # a deposit copy finished: poll now (runs as a no-op command)
 _MAX_COMMANDS_PER_TURN = 64
 
 
@@ -175,10 +176,16 @@ class KVCRAdapter:
         copy raised); safe from any thread."""
         self._results.put(completed_as(command, EntryStatus.FAILED))
 
-    def drain(self) -> list[OpDone | InventoryChange]:
+    def drain(self, wait_s: float = 0.0) -> list[OpDone | InventoryChange]:
         """Every result produced since the last drain, in production order
-        (also once FAILED or closed: what the shutdown answered)."""
+        (also once FAILED or closed: what the shutdown answered); with
+        ``wait_s``, waits that long at most for the first when there is none."""
         out: list[OpDone | InventoryChange] = []
+        if wait_s > 0:
+            try:
+                out.append(self._results.get(timeout=wait_s))
+            except queue.Empty:
+                return out
         while True:
             try:
                 out.append(self._results.get_nowait())
@@ -210,7 +217,7 @@ class KVCRAdapter:
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             try:
-                if self.call(lambda kv: not self._owner().inflight, timeout_s=left):
+                if self.call(lambda kv: not self._owner().busy, timeout_s=left):
                     return True
             except KVCRAdapterFailed:
                 return True  # failed or closed meanwhile: everything was answered
@@ -299,6 +306,7 @@ class KVCRAdapter:
             self._stats,
             self._stats_lock,
             self._gate.uncharge,
+            lambda: self._inbox.put(_WAKE),
         )
         with self._state_lock:
             in_time = self.state is AdapterState.STARTING
@@ -354,7 +362,11 @@ class KVCRAdapter:
         # going away) complete FAILED with their keys.
         why = "KVCR owner thread failed" if self.failed else "KVCR adapter closed"
         answer_unrun(self._inbox.seal(), self._results, self._gate.uncharge, why)
+        writing = False
         if owner is not None:
+            # Deposit copies end (or are waited for, bounded: half of what close
+            # waits for this thread) before KVCR closes.
+            writing = not owner.settle_fills(self._limits.wait_timeout_s / 2)
             owner.fail_inflight()
         if kv is not None:
             try:
@@ -365,3 +377,11 @@ class KVCRAdapter:
                 self.retained = RetainedCore(kv, self._thread.name)
                 self._clean_close = False
                 logger.exception("KVCR close was not clean; resources retained")
+        if writing and owner is not None:
+            # A deposit copy still writes KVCR DRAM: quarantined until it stops.
+            logger.error("KVCR closed while a deposit copy still writes its slots")
+            self._clean_close = False
+            closed = self.retained is None
+            self.retained = RetainedCore(
+                kv, self._thread.name, writing=owner.fills_writing, closed=closed
+            )

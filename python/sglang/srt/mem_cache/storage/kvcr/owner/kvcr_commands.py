@@ -60,7 +60,8 @@ class InventoryChange:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Deposit:
     op_id: OpId
-    blocks: Mapping[bytes, list[Any]]
+    # key -> (its block label ``pool:page``, the source page the copier reads)
+    blocks: Mapping[bytes, tuple[str, int]]
     nbytes: int
 
 

@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -47,6 +48,7 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
 )
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import (
     completion_senders,
+    page_fills,
     unresolved_fills,
 )
 
@@ -237,6 +239,8 @@ class CommandExecutor:
         "_stats",
         "_stats_lock",
         "_uncharge",
+        "_wake",
+        "fills",
         "inflight",
     )
 
@@ -248,8 +252,10 @@ class CommandExecutor:
         stats: AdapterStats,
         stats_lock: threading.Lock,
         uncharge: Callable[[Budget, int], None],
+        wake: Callable[[], object] = lambda: None,
     ) -> None:
         self._kvcr = kvcr
+        self._wake = wake  # wakes this thread's loop (a copy finished)
         self._pins = pins
         self._results = results
         self._stats = stats
@@ -258,14 +264,21 @@ class CommandExecutor:
         # KVCR handle -> the deposit or fetch it runs (its id, budget and keys:
         # what a completion reports, or what a FAILED answer needs).
         self.inflight: dict[int, Deposit | Fetch] = {}
+        # Deposits being copied into their slots (page_fills), in order.
+        self.fills: list[tuple[page_fills.PageFill, Deposit]] = []
         self._peer_checks = (0, 0)  # (dropped notices, unresolved fill bytes)
 
     @property
     def kvcr(self) -> Any:
         return self._kvcr
 
+    @property
+    def busy(self) -> bool:
+        """Whether an operation is in flight (a fetch, or a deposit's copy)."""
+        return bool(self.inflight or self.fills)
+
     def poll_period(self) -> float:
-        if not self.inflight:
+        if not self.busy:
             return IDLE_POLL_S
         if any(isinstance(op, Fetch) for op in self.inflight.values()):
             return FETCH_POLL_S
@@ -288,8 +301,8 @@ class CommandExecutor:
     def _execute(self, command: object) -> None:
         kv = self._kvcr
         if isinstance(command, Deposit):
-            handle = kv.deposit(dict(command.blocks))
-            self.inflight[handle] = command
+            fill = page_fills.begin(kv, command.blocks, self._wake)
+            self.fills.append((fill, command))
             self._count("deposits", 1)
         elif isinstance(command, Fetch):
             if command.hint is not None:
@@ -318,6 +331,34 @@ class CommandExecutor:
                 except BaseException as exc:
                     command.future.set_exception(exc)
 
+    def settle_fills(self, timeout_s: float) -> bool:
+        """Closing: drop deposit copies not started, wait up to ``timeout_s`` for
+        running ones, and answer them all FAILED; whether none still writes
+        (those that do stay in ``fills``)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = []
+            for fill, command in self.fills:
+                try:
+                    stopped = page_fills.abandon(self._kvcr, fill)
+                except Exception:  # KVCR is going away: its slots go with it
+                    logger.exception("KVCR deposit could not be abandoned cleanly")
+                    stopped = fill.job is None or fill.job.poll() is not None
+                if stopped:
+                    answer_unrun([command], self._results, self._uncharge, "")
+                else:
+                    left.append((fill, command))
+            self.fills = left
+            if not left or time.monotonic() >= deadline:
+                return not left
+            time.sleep(0.005)
+
+    def fills_writing(self) -> bool:
+        """Whether a deposit copy the close could not wait for still writes."""
+        return any(
+            fill.job is not None and fill.job.poll() is None for fill, _ in self.fills
+        )
+
     def fail_inflight(self) -> None:
         """KVCR is gone: every operation it still ran completes FAILED, with its
         keys, and gives its budget back."""
@@ -329,6 +370,7 @@ class CommandExecutor:
             setattr(self._stats, field, getattr(self._stats, field) + n)
 
     def poll(self) -> None:
+        self._poll_fills()  # before KVCR's completions: fetches waiting on a fill
         pins = self._pins.requests
         completed = self._kvcr.poll_completed()
         if completed or self._pins.requests != pins:
@@ -349,6 +391,21 @@ class CommandExecutor:
             kind = OpKind.DEPOSIT if isinstance(op, Deposit) else OpKind.FETCH
             self._results.put(OpDone(op.op_id, kind, done))
         self._publish_peer_checks()
+
+    def _poll_fills(self) -> None:
+        """Deposits whose copies are over (and fills they wait on resolved)."""
+        if not self.fills:
+            return
+        left = []
+        for fill, command in self.fills:
+            results = page_fills.poll(self._kvcr, fill)
+            if results is None:
+                left.append((fill, command))
+                continue
+            self._uncharge(budget_of(command), command.nbytes)
+            done = {bytes(k): EntryResult(status) for k, status in results.items()}
+            self._results.put(OpDone(command.op_id, OpKind.DEPOSIT, done))
+        self.fills = left
 
     def _publish_peer_checks(self) -> None:
         """What kvcr's peer checks counted (kvcr_patches), into the stats."""

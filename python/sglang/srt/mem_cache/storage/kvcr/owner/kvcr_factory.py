@@ -21,10 +21,9 @@ from sglang.srt.mem_cache.storage.kvcr.fleet.control_auth import InboundGuard
 from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import KeyAdapter, PageLayout
 from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_patches
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import Callbacks
-from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import local_copy
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import page_fills
 
 if TYPE_CHECKING:
-    from kvcr.types import RegionDescriptor
     from sglang.srt.mem_cache.storage.kvcr.owner.quarantine import KVCRDram
 
 
@@ -46,10 +45,10 @@ _REMEDY_NO_UCX = (
     "unset NIXL_PLUGIN_DIR or point it at nixl's plugins, and reinstall "
     "nixl==1.5.0 (nixl-cu12/nixl-cu13)"
 )
-_REMEDY_GPUDIRECT = (
-    "; UCX could not register memory for RDMA (ibv_reg_mr: Bad address in the UCX "
-    "log means no GPUDirect RDMA): load nvidia_peermem, or for same-node use set "
-    "UCX_TLS=tcp,cuda_copy,cuda_ipc"
+_REMEDY_REGISTRATION = (
+    "; UCX could not register KVCR's host DRAM (ibv_reg_mr in the UCX log): raise "
+    "the locked-memory limit (ulimit -l / the container's memlock), lower "
+    "local_dram_bytes_per_worker, or set UCX_TLS=tcp to leave RDMA out"
 )
 _REMEDY_UCX_START = (
     "; the NIXL UCX backend failed to start (the UCX ERROR lines say why): "
@@ -76,7 +75,7 @@ def startup_remedy(exc: BaseException) -> str:
     if ("ibv_reg_mr" in message and "Bad address" in message) or (
         "NIXL_ERR_BACKEND" in message and "register_memory" in nixl_calls
     ):
-        return _REMEDY_GPUDIRECT
+        return _REMEDY_REGISTRATION
     if "NIXL_ERR_BACKEND" in message and "create_backend" in nixl_calls:
         return _REMEDY_UCX_START
     return ""
@@ -102,7 +101,6 @@ def make_kvcr_factory(
     *,
     agent_name: str,
     pool_layouts: Sequence[tuple[str, int]],
-    framework_regions: Sequence[Any],
     local_dram_pools: Sequence[tuple[str, int, int]],
     key_adapter: Any,
     control_bind_host: str,
@@ -118,14 +116,14 @@ def make_kvcr_factory(
 ) -> Callable[[Callbacks], BuiltKVCR]:
     """A factory that builds the real KVCR on the owner thread; with an
     ``inbound_guard`` (``control_auth.InboundGuard``) its control channel checks
-    who connects; with a ``local_copier`` (``datapath.dram_copy.DramCopier``) it,
-    not NIXL, fills the KVCR's deposits (``kvcr_patches.local_copy``)."""
+    who connects; its deposits are filled by ``local_copier``
+    (``datapath.dram_copy.DramCopier``, ``kvcr_patches.page_fills``): no framework
+    memory is registered with it."""
 
     def build(callbacks: Callbacks) -> BuiltKVCR:
         kvcr_patches.configure(progress_idle_ms)
         _install_peer_checks()  # refuses a kvcr whose internals differ
-        if local_copier is not None:
-            local_copy.install()  # refuses a kvcr whose internals differ
+        page_fills.install()  # refuses a kvcr whose internals differ
         from kvcr import KVCR, KVCRBindings
         from kvcr.config import KVCRBackendConfigs, KVCRConfig, LocalDramOptions
         from kvcr.control_channels import ZmqPeerControlChannel
@@ -166,12 +164,11 @@ def make_kvcr_factory(
                         on_resilience_event=callbacks.on_resilience_event,
                     ),
                     KVCRBackendConfigs(
-                        framework_regions=list(framework_regions),
                         local_dram=LocalDramOptions(pools=list(local_dram_pools)),
                     ),
                 )
             if local_copier is not None:
-                local_copy.attach(kv, local_copier)  # before any deposit
+                page_fills.attach(kv, local_copier)  # before any deposit
             return BuiltKVCR(kv, str(control.endpoint))
         except BaseException:
             close = getattr(control, "close", None)
@@ -221,15 +218,11 @@ def factory_args(
     cfg: KVCRLinkerConfig,
     control_port: int,
     dram: KVCRDram,
-    framework_regions: list[RegionDescriptor],
     local_copier: Any = None,
 ) -> dict[str, Any]:
-    """``make_kvcr_factory``'s arguments but the agent name (per incarnation):
-    ``framework_regions`` are what KVCR copies to and from (the staging area on
-    the staged path, else the device pools)."""
+    """``make_kvcr_factory``'s arguments but the agent name (per incarnation)."""
     return {
         "pool_layouts": layout.kvcr_pool_layouts(),
-        "framework_regions": framework_regions,
         "local_dram_pools": layout.local_dram_regions(list(dram.storage.values())),
         "key_adapter": KeyAdapter(layout),
         "control_bind_host": cfg.control_bind_host,

@@ -42,7 +42,6 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_factory import make_kvcr_facto
 from sglang.srt.mem_cache.storage.kvcr.owner.quarantine import KVCRDram
 
 if TYPE_CHECKING:
-    from kvcr.types import RegionDescriptor
     from sglang.srt.mem_cache.storage.kvcr.layout.rank_placement import RankPlacement
 
 logger = logging.getLogger(__name__)
@@ -112,15 +111,12 @@ class KVCRSession:
         placement: RankPlacement,
         layout: PageLayout,
         dram: KVCRDram,
-        framework_regions: list[RegionDescriptor],
         local_copier: Any = None,
     ) -> KVCRSession:
-        """The first incarnation of ``placement``'s KVCR over ``dram``, copying to
-        and from ``framework_regions`` (deposits by ``local_copier`` if given)."""
+        """The first incarnation of ``placement``'s KVCR over ``dram``, its
+        deposits filled by ``local_copier``."""
         port = placement.control_port(config.control_port)
-        args = kvcr_factory.factory_args(
-            layout, config, port, dram, framework_regions, local_copier
-        )
+        args = kvcr_factory.factory_args(layout, config, port, dram, local_copier)
         return cls(config, dram, args, placement.label())
 
     def log_up(self, placement: RankPlacement, layout: PageLayout) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -53,9 +54,20 @@ class RetainedCore:
     quiescent (a dead peer's operation resolved, e.g. it restarted on the same
     endpoint). One thread at a time is its only caller; waits are bounded."""
 
-    def __init__(self, kv: Any, name: str) -> None:
+    def __init__(
+        self,
+        kv: Any,
+        name: str,
+        *,
+        writing: Callable[[], bool] = lambda: False,
+        closed: bool = False,
+    ) -> None:
         self.kv = kv
         self._name = name
+        # A deposit copy the close could not wait for still writes its slots;
+        # ``closed``: the KVCR itself closed cleanly (only the copy is awaited).
+        self._writing = writing
+        self._kv_closed = closed
         self._attempt: threading.Thread | None = None
         self._closed = threading.Event()
         _RETAINED.append(kv)
@@ -80,8 +92,11 @@ class RetainedCore:
 
     def _main(self) -> None:
         try:
-            if kvcr_patches.core_is_quiescent(self.kv):
-                self.kv.close()
+            if self._writing():
+                return
+            if self._kv_closed or kvcr_patches.core_is_quiescent(self.kv):
+                if not self._kv_closed:
+                    self.kv.close()
                 self._closed.set()
         except Exception:
             logger.debug("KVCR reclaim attempt failed", exc_info=True)

@@ -97,6 +97,9 @@ class Preparation:
     # page index -> {pool name: its claimed object}
     landed: Landed = dataclasses.field(default_factory=Landed)
     hinted: bool = False
+    # Every fetch only claims pages resident here (nothing moves): the owner
+    # thread answers at once, so preparing may wait for it (local_hit_wait_ms).
+    local_only: bool = False
     positions: dict[str, int] | None = None  # page hash -> index, built on demand
 
     def index_of(self, page_hash: str) -> int | None:

@@ -29,6 +29,7 @@ class PoolFetch:
     expected_layout: tuple[str, ...]
     page_bytes: int
     moved: bool
+    parts: int = 1  # spans per block (its slot's rows of one span's page size)
 
 
 def kv_keys(transfers: list[Any]) -> list[str]:
@@ -90,9 +91,10 @@ def plan_fetches(
                     out.append(
                         PoolFetch(
                             group,
-                            tuple(pool.part_labels),
+                            (pool.block_label,),
                             object_bytes[pool.name],
                             moved,
+                            len(pool.spans),
                         )
                     )
     return out

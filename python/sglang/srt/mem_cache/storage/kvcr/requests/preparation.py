@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import PageLayout
+from sglang.srt.mem_cache.storage.kvcr.layout.pool_layout import block_part_rows
 from sglang.srt.mem_cache.storage.kvcr.observability.linker_stats import (
     LinkerStats,
     PreparationGauges,
@@ -72,6 +73,7 @@ class FetchOwner:
     rid: str
     claimed_bytes: int
     page_bytes: int = 0
+    parts: int = 1  # spans per block: a claimed slot's rows of one span's size
 
 
 @dataclasses.dataclass(slots=True)
@@ -158,6 +160,7 @@ class Preparations:
             return commands
         self.stats.prepared += 1
         self.stats.prepared_pages += wanted
+        prep.local_only = not any(f.moved for f in fetches)
         envelope = hint.envelope(page_hashes)
         return commands + self.fetch(prep, fetches, next_op_id, envelope)
 
@@ -179,7 +182,9 @@ class Preparations:
             claimed = len(f.keys) * f.page_bytes
             prep.pending_ops.add(op_id)
             # The DRAM it will claim (what an abandoned op still holds).
-            self._owners[op_id] = FetchOwner(prep.ctx.rid, claimed, f.page_bytes)
+            self._owners[op_id] = FetchOwner(
+                prep.ctx.rid, claimed, f.page_bytes, f.parts
+            )
             commands.append(
                 Fetch(
                     op_id=op_id,
@@ -218,13 +223,14 @@ class Preparations:
                     or parsed is None
                     or index is None
                     or entry.claim is None
-                    or not entry.slots
+                    or owner is None
+                    or len(slots := entry.slots or ()) != 1  # a block is one slot
                 ):
                     if entry.claim is not None:
                         late.append(entry.claim)
                     continue
-                slots = tuple(int(ref.element_index) for ref in entry.slots)
-                page = ClaimedPage(entry.claim, slots, owner_page_bytes(owner))
+                rows = block_part_rows(int(slots[0].element_index), owner.parts)
+                page = ClaimedPage(entry.claim, rows, owner_page_bytes(owner))
                 prep.landed.add(index, parsed[1], page)
             if logger.isEnabledFor(logging.DEBUG):
                 statuses = collections.Counter(
@@ -287,8 +293,7 @@ class Preparations:
         prep.state = PrepState.READY
 
     def ready(self, handle: PreparationHandle) -> bool:
-        """Whether ``handle``'s attempt may be admitted. Only that attempt's own
-        preparation can hold it back: a stale handle never reads a newer one."""
+        """Whether ``handle``'s attempt may be admitted (a stale handle: yes)."""
         prep = self._preps.get(handle.rid)
         if (
             prep is None
@@ -303,8 +308,7 @@ class Preparations:
         return False
 
     def note_admission(self, rids: list[str], ready: list[bool]) -> None:
-        """Record one readiness-gate pass: the wait of each request it held back,
-        from the first pass that held it to the pass that let it through."""
+        """One readiness-gate pass: the passes and wait of each request held."""
         held = self._held
         if not held and all(ready):
             return  # the common pass: nothing held before or now
@@ -368,9 +372,8 @@ class Preparations:
 
     def claimed_bytes(self) -> int:
         """Bytes the claims of live preparations hold, landed or being fetched."""
-        owners = self._owners.items()
-        fetching = (o.claimed_bytes for op, o in owners if op not in self._abandoned)
-        return self._ledger.bytes + sum(fetching)
+        live = (o for op, o in self._owners.items() if op not in self._abandoned)
+        return self._ledger.bytes + sum(o.claimed_bytes for o in live)
 
     def abandoned_bytes(self) -> int:
         """Bytes still being fetched for preparations that were dropped."""
