@@ -59,6 +59,14 @@ TARGETS: dict[str, Target | None] = {
     # Foreground decode ITL under write-through load, kvcr over none (serving).
     "decode_itl_p50_ratio": None,
     "decode_itl_p99_ratio": Target("ratio", "<=", 1.1),
+    # Issue 23 (serving): an evicted prompt replayed from KVCR against a device
+    # radix hit of it, and against recomputing it (on the server without KVCR).
+    "replay_ttft_vs_device_hit": Target("ratio", "<=", 1.05),
+    "replay_ttft_vs_recompute": None,
+    # The write-through of that traffic: pages offloaded per second (informational)
+    # and offloads refused or failed (none).
+    "write_through_pages_per_s": None,
+    "write_through_refusals": Target("value", "==", 0),
     # The CUDA targets (issue 11); on cpu CPU_TRANSFER_TARGETS apply instead.
     **{
         f"restore_vs_pinned_h2d_{n}p": Target("ratio", ">=", 0.8)

@@ -32,7 +32,15 @@ SECTIONS: tuple[tuple[str, Callable[..., None], tuple[str, ...]], ...] = (
     (
         "serving",
         bench_serving,
-        ("decode_itl_p50_ratio", "decode_itl_p99_ratio", "zero_hit_ttft_ratio"),
+        (
+            "decode_itl_p50_ratio",
+            "decode_itl_p99_ratio",
+            "replay_ttft_vs_device_hit",
+            "replay_ttft_vs_recompute",
+            "write_through_pages_per_s",
+            "write_through_refusals",
+            "zero_hit_ttft_ratio",
+        ),
     ),
     (
         "copy",
@@ -65,6 +73,10 @@ UNITS = {
     "linker_idle_cpu_pct": "% core",
     "decode_itl_p50_ratio": "ms",
     "decode_itl_p99_ratio": "ms",
+    "replay_ttft_vs_device_hit": "ms",
+    "replay_ttft_vs_recompute": "ms",
+    "write_through_pages_per_s": "pages/s",
+    "write_through_refusals": "count",
 }
 
 
@@ -215,6 +227,23 @@ def report(
             "decode ITL ms (p50/p99): "
             + ", ".join(f"{k}={v['p50']}/{v['p99']}" for k, v in itl.items())
             + f"; kvcr offloaded during the rounds: {moved}"
+        )
+    replay = serving.get("replay", {})
+    if replay.get("rounds"):
+        used = [r["samples"] for r in replay["rounds"] if not r["warmup"]] or [{}]
+        med = {
+            label: statistics.median(s[name][kind]["ttft_ms"] for s in used)
+            for label, name, kind in (
+                ("kvcr device hit", "kvcr", "hit"),
+                ("kvcr replay from KVCR", "kvcr", "replay"),
+                ("none recompute", "none", "replay"),
+            )
+            if all(name in s for s in used)
+        }
+        print(
+            "replay TTFT ms (medians): "
+            + ", ".join(f"{k}={v:.1f}" for k, v in med.items())
+            + f"; kvcr ran {replay['kvcr_running_s']} s in these rounds"
         )
     for key, case in details.get("transfer", {}).items():
         if key.endswith("p") and isinstance(case, dict):

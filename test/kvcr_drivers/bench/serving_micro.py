@@ -1,6 +1,7 @@
-"""(e) zero-hit streaming TTFT and (e') decode ITL under write-through load, on CPU
-servers with and without the KVCR linker, run side by side (one at a time, the
-others SIGSTOPped, in rotating order)."""
+"""(e) zero-hit streaming TTFT, (e') decode ITL under write-through load, and
+(g)/(h) the replay of an evicted prompt from KVCR and the write-through of that
+traffic (``serving_replay``), on CPU servers with and without the KVCR linker, run
+side by side (one at a time, the others SIGSTOPped, in rotating order)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any
 
 from cpu_harness import server as harness
 from cpu_harness.tiny_model import ensure_tiny_model
-from kvcr_drivers.bench import decode_itl, serving
+from kvcr_drivers.bench import decode_itl, serving, serving_replay
 from kvcr_drivers.bench.metrics import (
     cpu_ticks,
     dist,
@@ -211,11 +212,12 @@ def bench_serving(
         return [rng.randrange(3, 300) for _ in range(args.ttft_prompt_len)]
 
     work = Path(out["_work"])
+    max_total = 8 * args.ttft_prompt_len
     base = [
         "--page-size",
         str(args.ttft_page_size),
         "--max-total-tokens",
-        str(8 * args.ttft_prompt_len),
+        str(max_total),
         "--max-running-requests",
         "4",
         "--chunked-prefill-size",
@@ -266,6 +268,22 @@ def bench_serving(
             metrics += [
                 metric(n, None, "ms", error=error)
                 for n in ("decode_itl_p50_ratio", "decode_itl_p99_ratio")
+                if n not in {m["name"] for m in metrics}
+            ]
+            for handle in servers.values():
+                serving.pause(handle)
+        try:
+            serving_replay.bench_replay(args, servers, max_total, details, metrics)
+        except Exception as exc:
+            traceback.print_exc()
+            error = f"{type(exc).__name__}: {exc}"[:2000]
+            units = ("ms", "ms", "pages/s", "count")
+            replay_names = (
+                serving_replay.REPLAY_METRICS + serving_replay.WRITE_THROUGH_METRICS
+            )
+            metrics += [
+                metric(n, None, u, error=error)
+                for n, u in zip(replay_names, units, strict=True)
                 if n not in {m["name"] for m in metrics}
             ]
             for handle in servers.values():

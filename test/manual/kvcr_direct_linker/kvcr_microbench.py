@@ -36,6 +36,21 @@ Measures, in one run and side by side:
     (``kvcr_drivers/bench/decode_itl.py`` says what a sample is). The KVCR_STATS
     delta over the rounds proves the write-through happened; a phase that offloaded
     nothing is an error, not a number.
+(g) ``replay_ttft_vs_device_hit`` / ``replay_ttft_vs_recompute`` (serving section,
+    between the decode ITL and the TTFT rounds): each of ``--replay-rounds`` rounds (after one
+    warm-up) sends a fresh seed prompt P to the kvcr and none servers in turn: cold,
+    at once again (a device radix-cache hit), then unique fillers that cycle the
+    device pool twice, then P again. On kvcr that replay is served from KVCR (the
+    linker wrote P through before the fillers evicted it from the device), on none
+    it is recomputed; the cached tokens each server reports must say so, or both
+    metrics fail with the reason. Median kvcr replay TTFT over the median kvcr
+    device-hit TTFT (target 1.05), and over the median none replay
+    (informational). ``kvcr_drivers/bench/serving_replay.py`` says more.
+(h) ``write_through_pages_per_s`` (informational) / ``write_through_refusals``
+    (target 0): pages the kvcr server offloaded per second of its running time in
+    the replay rounds (their seeds and fillers are back-to-back unique prefills),
+    and its offloads refused or failed (``offload_failures`` + ``refused_offload``
+    + ``staging_full``), from the KVCR_STATS deltas over those rounds.
 (f) ``restore_vs_pinned_h2d_<n>p`` / ``offload_vs_pinned_d2h_<n>p`` (transfer
     section) at ``--transfer-pages`` (47 and 256 on cuda, 47 on cpu): a pool of
     that geometry on ``--device``; the restore into scattered pool pages against
@@ -105,6 +120,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=40.0,
         help="after the decode_itl rounds, wait up to this long for a KVCR_STATS "
         "line (logged every 30 s) to count what was offloaded",
+    )
+    p.add_argument(
+        "--replay-rounds",
+        type=int,
+        default=5,
+        help="evict-and-replay rounds after one warm-up (each cycles the device "
+        "pool of kvcr and none twice)",
     )
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--heads", type=int, default=8, help="KV heads")
@@ -184,6 +206,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--quiet-busy must be in (0, 1] and --quiet-wait-s >= 0")
     if not 0 < args.quiet_round_busy <= 1:
         p.error("--quiet-round-busy must be in (0, 1]")
+    if args.replay_rounds < 1:
+        p.error("--replay-rounds must be >= 1")
     if args.ttft_prompts < 5 or args.ttft_warmup < 0:
         p.error("--ttft-prompts must be >= 5 and --ttft-warmup >= 0")
     if args.ttft_prompt_len < 2 * args.ttft_page_size:
@@ -200,6 +224,7 @@ QUICK = {
     "ttft_warmup": 1,
     "quiet_wait_s": 3.0,
     "itl_rounds": 2,
+    "replay_rounds": 2,
     "itl_output_len": 64,
     "transfer_pages": "47",
 }

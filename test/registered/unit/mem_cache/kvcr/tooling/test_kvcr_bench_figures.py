@@ -5,7 +5,10 @@ Here it must be well formed, name exactly the metrics a default CPU run reports,
 report order, with the bench's own units and targets, and show a result that its
 own numbers and those targets give; its source line must name the pinned kvcr and
 nixl. A renamed metric, a changed target or a re-pinned dependency fails this until
-the table is regenerated.
+the table is regenerated. The serving section's metrics are named here as well
+(issue 23's whole path: decode ITL, the replay from KVCR against a device hit and
+against recompute, the write-through rate and refusals, zero-hit TTFT), so the
+table cannot lose one by being regenerated from a bench that dropped it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,26 @@ def table() -> tuple[str, list[dict[str, str]]]:
 def test_the_table_names_every_metric_the_bench_reports_in_order():
     _, rows = table()
     assert [r["metric"] for r in rows] == micro.metric_names("cpu")
+
+
+SERVING = {  # name: (unit, target on cpu)
+    "decode_itl_p50_ratio": ("ms", None),
+    "decode_itl_p99_ratio": ("ms", "ratio <= 1.1"),
+    "replay_ttft_vs_device_hit": ("ms", "ratio <= 1.05"),
+    "replay_ttft_vs_recompute": ("ms", None),
+    "write_through_pages_per_s": ("pages/s", None),
+    "write_through_refusals": ("count", "value == 0"),
+    "zero_hit_ttft_ratio": ("ms", "ratio <= 1.02"),
+}
+
+
+def test_the_serving_section_reports_issue_23s_whole_path():
+    names = micro.metric_names("cpu")
+    assert names[: len(SERVING)] == list(SERVING)
+    for name, (unit, target) in SERVING.items():
+        assert micro.metric_unit(name) == unit, name
+        got = target_of(name, "cpu")
+        assert (got.text() if got else None) == target, name
 
 
 def test_units_and_targets_are_the_benchs_own():

@@ -1,0 +1,269 @@
+"""(g) A prompt evicted from the device and replayed from KVCR, against a device
+radix-cache hit and against recomputing it, and (h) the write-through of the same
+traffic, on the microbench's CPU servers (``kvcr`` and ``none``, taking turns, the
+idle one SIGSTOPped).
+
+A round sends each of the two servers, in alternating order, the same fresh seed
+prompt P cold, then P again at once (a device radix-cache hit), then ``fillers``
+unique prompts that cycle the device pool twice (``2 * max_total // prompt_len +
+2``, the rule of kvcr_bench's ``evict_replay``), then P once more. On ``kvcr`` the
+last P is served from KVCR: the linker wrote P's pages through when they were
+inserted and the fillers evicted them from the device. On ``none`` (no external
+tier) it is recomputed. Every P is checked by the cached tokens the server reports
+(``check_round``): the hits were device hits, the kvcr replay came from KVCR and
+not the device, the none replay was recomputed; a round that is not so fails the
+replay metrics with the reason.
+
+``replay_ttft_vs_device_hit``: median kvcr replay TTFT over median kvcr device-hit
+TTFT. ``replay_ttft_vs_recompute``: median kvcr replay TTFT over median none replay
+(recompute) TTFT, informational. Round 0 warms the path up and is left out of the
+medians.
+
+``write_through_pages_per_s`` / ``write_through_refusals`` come from these rounds'
+unique prefills on the kvcr server (the seeds and fillers, back to back): the
+``KVCR_STATS`` deltas (``serving.parse_stats``) from a line logged after the
+decode_itl phase, before these rounds, to the first line logged a second or more
+after them; pages per second of the time the kvcr server ran in these rounds (it
+is SIGSTOPped otherwise; ``offload_pages`` is counted when an offload is issued).
+Refusals add up ``offload_failures``, ``refused_offload`` (offload budget) and
+``staging_full`` (staged path backpressure): one refused offload may move more
+than one of them, so the sum may over-count, never hide one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+from cpu_harness import server as harness
+from kvcr_drivers.bench import decode_itl, serving
+from kvcr_drivers.bench.metrics import dist, metric
+
+REPLAY_METRICS = ("replay_ttft_vs_device_hit", "replay_ttft_vs_recompute")
+WRITE_THROUGH_METRICS = ("write_through_pages_per_s", "write_through_refusals")
+REFUSAL_FIELDS = ("offload_failures", "refused_offload", "staging_full")
+PAGE_FIELDS = ("offloads", "offload_pages", "offloaded_bytes")
+HIT_SHARE = 0.9  # of the page-aligned prompt, as kvcr_bench's replay check
+
+
+def fillers_for(max_total_tokens: int, prompt_len: int) -> int:
+    """Unique prompts that cycle a device pool of ``max_total_tokens`` twice."""
+    return 2 * max_total_tokens // prompt_len + 2
+
+
+def check_round(got: dict[str, dict[str, dict[str, Any]]], need: int) -> list[str]:
+    """What is wrong with one round's P samples (``{server: {"hit": s, "replay":
+    s}}``, each ``serving.stream_ttft``'s record): hits must be device hits of at
+    least ``need`` tokens; the kvcr replay must come from KVCR (``need`` tokens or
+    more, none from the device); the none replay must be recomputed."""
+    wrong = []
+    for name, s in got.items():
+        hit = s["hit"]
+        if hit["cached_tokens"] < need or hit["external_cached_tokens"]:
+            wrong.append(
+                f"{name}: the second P was not a device hit (cached "
+                f"{hit['cached_tokens']}, from KVCR {hit['external_cached_tokens']}, "
+                f"need {need} from the device)"
+            )
+    kvcr, none = got["kvcr"]["replay"], got["none"]["replay"]
+    if kvcr["external_cached_tokens"] < need or kvcr["device_cached_tokens"]:
+        wrong.append(
+            f"kvcr: the replay was not served from KVCR (from KVCR "
+            f"{kvcr['external_cached_tokens']}, need {need}; from the device "
+            f"{kvcr['device_cached_tokens']}, need 0)"
+        )
+    if none["cached_tokens"]:
+        wrong.append(
+            f"none: the replay was not recomputed ({none['cached_tokens']} cached "
+            "tokens: the fillers did not evict P)"
+        )
+    return wrong
+
+
+def replay_metrics(rounds: list[dict[str, Any]], need: int) -> list[dict[str, Any]]:
+    """The two replay metrics from every round (``{"warmup": bool, "samples":
+    {server: {"cold", "hit", "replay"}}}``); medians over the rounds that are not
+    warm-ups. Any round that fails ``check_round`` (warm-ups included) makes both
+    metrics errors that name it."""
+    wrong = [
+        f"round {i}: {w}"
+        for i, r in enumerate(rounds)
+        for w in check_round(r["samples"], need)
+    ]
+    used = [r["samples"] for r in rounds if not r["warmup"]]
+    if not used:
+        wrong.append("no measured round")
+    error = "; ".join(wrong)[:2000] or None
+
+    def ttft(name: str, kind: str) -> list[float]:
+        return [s[name][kind]["ttft_ms"] for s in used]
+
+    if not used:
+        return [metric(n, None, "ms", error=error) for n in REPLAY_METRICS]
+    replay, hit = ttft("kvcr", "replay"), ttft("kvcr", "hit")
+    recompute = ttft("none", "replay")
+    med = statistics.median
+    common = {
+        "samples": len(used),
+        "replay_ms": replay,
+        "replay_external_tokens": [
+            s["kvcr"]["replay"]["external_cached_tokens"] for s in used
+        ],
+        "need_tokens": need,
+    }
+    return [
+        metric(
+            "replay_ttft_vs_device_hit",
+            med(replay),
+            "ms",
+            med(hit),
+            error=error,
+            device_hit_ms=hit,
+            pair_ratio=dist([a / b for a, b in zip(replay, hit, strict=True)]),
+            **common,
+        ),
+        metric(
+            "replay_ttft_vs_recompute",
+            med(replay),
+            "ms",
+            med(recompute),
+            error=error,
+            recompute_ms=recompute,
+            kvcr_cold_ms=ttft("kvcr", "cold"),
+            pair_ratio=dist([a / b for a, b in zip(replay, recompute, strict=True)]),
+            **common,
+        ),
+    ]
+
+
+def stats_delta(before: str, after: str) -> dict[str, int]:
+    """The write-through counters moved between two KVCR_STATS lines (a counter
+    missing from a line counts as 0 there)."""
+    first, last = serving.parse_stats(before), serving.parse_stats(after)
+    return {
+        k: int(last.get(k, 0) - first.get(k, 0)) for k in PAGE_FIELDS + REFUSAL_FIELDS
+    }
+
+
+def write_through_metrics(
+    before: str | None,
+    after: str | None,
+    running_s: float,
+    unique_prefills: int,
+) -> list[dict[str, Any]]:
+    """``write_through_pages_per_s`` (offload pages over ``running_s``, the time
+    the kvcr server ran) and ``write_through_refusals`` (the refusal counters'
+    deltas, summed) from the stats lines before and after the traffic."""
+    if before is None or after is None:
+        error = "no KVCR_STATS line " + ("before" if before is None else "after")
+        error += " the replay rounds to count the write-through from"
+        return [
+            metric(n, None, u, error=error)
+            for n, u in zip(WRITE_THROUGH_METRICS, ("pages/s", "count"), strict=True)
+        ]
+    delta = stats_delta(before, after)
+    error = None
+    if delta["offload_pages"] <= 0:
+        error = "the kvcr server offloaded no page during the replay rounds"
+    common = {"unique_prefills": unique_prefills, "running_s": round(running_s, 3)}
+    return [
+        metric(
+            "write_through_pages_per_s",
+            delta["offload_pages"] / running_s if running_s > 0 else None,
+            "pages/s",
+            error=error,
+            offload_pages=delta["offload_pages"],
+            offloads=delta["offloads"],
+            offloaded_bytes=delta["offloaded_bytes"],
+            pages_per_prefill=round(
+                delta["offload_pages"] / max(1, unique_prefills), 3
+            ),
+            **common,
+        ),
+        metric(
+            "write_through_refusals",
+            sum(delta[k] for k in REFUSAL_FIELDS),
+            "count",
+            error=error,
+            **{k: delta[k] for k in REFUSAL_FIELDS},
+            **common,
+        ),
+    ]
+
+
+def bench_replay(
+    args: argparse.Namespace,
+    servers: dict[str, harness.ServerHandle],
+    max_total_tokens: int,
+    details: dict[str, Any],
+    metrics: list[dict[str, Any]],
+) -> None:
+    """Round 0 (warm-up) and ``--replay-rounds`` rounds on kvcr and none (see the
+    module docstring), then the four metrics into ``metrics``."""
+    from kvcr_drivers.bench.serving_micro import stats_after  # imports this module
+
+    runs = {name: servers[name] for name in ("none", "kvcr")}
+    kvcr = runs["kvcr"]
+    prompt_len, vocab = args.ttft_prompt_len, 300
+    fillers = fillers_for(max_total_tokens, prompt_len)
+    need = int(HIT_SHARE * serving.page_aligned(prompt_len, args.ttft_page_size))
+    info: dict[str, Any] = {
+        "method": __doc__,
+        "prompt_len": prompt_len,
+        "max_total_tokens": max_total_tokens,
+        "fillers_per_round": fillers,
+        "need_tokens": need,
+    }
+    details["replay"] = info
+    # A stats line logged after the decode_itl phase's offloads (else a fresh one):
+    # between it and these rounds the kvcr server only saw requests shorter than a
+    # page, which offload nothing.
+    prior = details.get("decode_itl", {}).get("kvcr_stats_after")
+    if prior is None:
+        with serving.running(kvcr):
+            prior = stats_after(kvcr, time.time(), args.itl_stats_wait_s)
+    info["kvcr_stats_before"] = prior
+    rounds: list[dict[str, Any]] = []
+    running_s = 0.0
+    for i in range(1 + args.replay_rounds):
+        make = decode_itl.prompt_maker(args.seed + 300 + i, prompt_len, vocab)
+        seed, filler = make(), [make() for _ in range(fillers)]
+        order = list(runs) if i % 2 == 0 else list(runs)[::-1]
+        got: dict[str, dict[str, Any]] = {}
+        for name in order:
+            server = runs[name]
+            t0 = time.monotonic()
+            with serving.running(server):
+                s = {"cold": serving.stream_ttft(server, seed, 1, timeout=120.0)}
+                s["hit"] = serving.stream_ttft(server, seed, 1, timeout=120.0)
+                for ids in filler:
+                    server.generate(input_ids=ids, max_new_tokens=1, timeout=120.0)
+                s["replay"] = serving.stream_ttft(server, seed, 1, timeout=120.0)
+            if name == "kvcr":
+                running_s += time.monotonic() - t0
+            got[name] = s
+        rounds.append({"warmup": i == 0, "samples": got})
+        k, n = got["kvcr"], got["none"]
+        print(
+            f"[bench] replay round {i}: kvcr hit {k['hit']['ttft_ms']:.1f} ms, "
+            f"replay {k['replay']['ttft_ms']:.1f} ms (from KVCR "
+            f"{k['replay']['external_cached_tokens']} tokens); none recompute "
+            f"{n['replay']['ttft_ms']:.1f} ms (cached {n['replay']['cached_tokens']})",
+            flush=True,
+        )
+    ended = time.time()
+    with serving.running(kvcr):
+        after = stats_after(kvcr, ended + 1.0, args.itl_stats_wait_s)
+    info.update(rounds=rounds, kvcr_running_s=round(running_s, 3))
+    info["kvcr_stats_after"] = after
+    metrics.extend(replay_metrics(rounds, need))
+    metrics.extend(
+        write_through_metrics(
+            None if prior is None else prior[1],
+            None if after is None else after[1],
+            running_s,
+            len(rounds) * (1 + fillers),
+        )
+    )
