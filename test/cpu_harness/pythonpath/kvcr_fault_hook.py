@@ -9,8 +9,10 @@ makes it, claims the file (an atomic rename, so it fires once and in one process
 writes ``<dir>/NAME.fired`` (JSON: the thread it ran on, the pid, the argument) and
 faults. Each fault is produced where the real one happens:
 
-- ``owner_deposit``: ``kvcr.api.KVCR.deposit`` raises: an exception on the
-  adapter's owner thread (the only thread that calls KVCR).
+- ``owner_deposit``: a deposit's slot reservation (kvcr's
+  ``local_dram._LocalDram.reserve_fill``, which the linker's deposits call)
+  raises: an exception on the adapter's owner thread (the only thread that calls
+  KVCR).
 - ``progress``: one iteration of kvcr's progress loop raises kvcr's own
   ``_RemoteAgentCleanupError``, as its peer-message handlers do when NIXL's peer
   cleanup fails: the progress thread stops, and the owner thread's next
@@ -148,16 +150,18 @@ def _wrap(cls: type, name: str, wrapper: Callable[[Any], Any]) -> None:
 
 
 def _patch_api(module: types.ModuleType) -> None:
-    cls = module.KVCR
+    _wrap(module.KVCR, "close", _hanging_close)
+
+
+def _patch_local_dram(module: types.ModuleType) -> None:
     _wrap(
-        cls,
-        "deposit",
+        module._LocalDram,
+        "reserve_fill",
         _raising(
             "owner_deposit",
             lambda: InjectedFault("KVCR deposit failed (injected by kvcr_fault_hook)"),
         ),
     )
-    _wrap(cls, "close", _hanging_close)
 
 
 def _patch_progress(module: types.ModuleType) -> None:
@@ -187,6 +191,7 @@ def _patch_streams(module: types.ModuleType) -> None:
 
 PATCHES: dict[str, Callable[[types.ModuleType], None]] = {
     "kvcr.api": _patch_api,
+    "kvcr.local_dram": _patch_local_dram,
     "kvcr.progress": _patch_progress,
     f"{_PKG}.datapath.restore": _patch_restore,
     f"{_PKG}.device.device_streams": _patch_streams,

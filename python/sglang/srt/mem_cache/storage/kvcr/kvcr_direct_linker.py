@@ -116,8 +116,8 @@ class KVCRDirectLinker(
                 ),
             )
             self.hints = RouterHintParser.from_config(cfg, self.placement.shard_rank)
-            # Claims of waiting requests: at most max_claimed_bytes (0: half
-            # of this rank's DRAM share), the rest stays for offloads.
+            self._local_wait_s = cfg.local_hit_wait_ms / 1000.0  # this step's
+            # Claims of waiting requests: max_claimed_bytes (0: half the share).
             self.preparations = Preparations(
                 self.stats,
                 cfg.max_claimed_bytes or self.dram.gauges().dram_bytes // 2,
@@ -239,15 +239,15 @@ class KVCRDirectLinker(
         return ctx.handle
 
     def _await_local_claims(self, rid: str) -> None:
-        """Claims of pages resident here come at once: wait (``local_hit_wait_ms``
-        at most) so the request is admitted this pass; the readiness MIN agrees."""
-        prep = self.preparations.get(rid)
-        deadline = time.monotonic() + self.config.local_hit_wait_ms / 1000.0
+        """Claims of pages resident here come at once: wait (a step's waits share
+        ``local_hit_wait_ms``) to admit it this pass; the readiness MIN agrees."""
+        prep, start = self.preparations.get(rid), time.monotonic()
         while prep and prep.local_only and prep.state is PrepState.FETCHING:
-            if (left := deadline - time.monotonic()) <= 0:
-                self.stats.local_hit_waits_expired += 1
-                return
+            if (left := self._local_wait_s - (time.monotonic() - start)) <= 0:
+                self.stats.local_hit_waits_expired += self.config.local_hit_wait_ms > 0
+                break
             self._route(left)
+        self._local_wait_s -= time.monotonic() - start
 
     def _fills_unresolved(self) -> bool:
         """Failed peer fetches hold over a quarter of the DRAM share (or
@@ -352,6 +352,7 @@ class KVCRDirectLinker(
 
     def num_completed_offloads(self) -> int:
         self._pump(may_restart=True)  # once a step, never between lookup and load
+        self._local_wait_s = self.config.local_hit_wait_ms / 1000.0  # per step
         return self.offloader.queue.completed()
 
     def pop_completed_offload(self) -> bool:

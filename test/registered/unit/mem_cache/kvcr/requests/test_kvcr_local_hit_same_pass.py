@@ -9,6 +9,7 @@ pass. Real kvcr 0.1.1 over CPU tensors.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -43,6 +44,7 @@ def test_a_local_hit_is_ready_at_its_first_readiness_check():
     try:
         hashes = _stored(lk, pool, 4, "same-pass")
         for i in range(10):
+            lk.num_completed_offloads()  # a scheduler step (its wait budget)
             rid = f"r{i}"
             handle = lk.prepare_request(LinkerRequestContext(rid), kv_transfer(hashes))
             assert lk.preparation_ready(handle) is True, f"attempt {i} held a pass"
@@ -79,11 +81,18 @@ def test_a_slow_owner_thread_bounds_the_wait_and_the_request_goes_on_later():
     lk = make_linker(pool, local_hit_wait_ms=20)
     try:
         hashes = _stored(lk, pool, 2, "slow-owner")
+        lk.num_completed_offloads()
         gate = threading.Event()
         lk._adapter._inbox.put(_call_blocking_on(gate))
         handle = lk.prepare_request(LinkerRequestContext("r"), kv_transfer(hashes))
         assert lk.preparation_ready(handle) is False
         assert lk.stats.local_hit_waits_expired == 1
+        # The step's budget is spent: the next local hit of this step waits no more.
+        started = time.monotonic()
+        other = lk.prepare_request(LinkerRequestContext("o"), kv_transfer(hashes))
+        assert time.monotonic() - started < 0.015
+        assert lk.preparation_ready(other) is False
+        assert lk.stats.local_hit_waits_expired == 2
         gate.set()
         wait_until(lambda: lk.preparation_ready(handle), what="claims")
         assert lk.lookup("r", kv_transfer(hashes)) == [1, 2]

@@ -109,9 +109,10 @@ class KVCRLinkerConfig:
     local_hit_wait_ms: int = dataclasses.field(
         default=5,
         metadata=_doc(
-            "How long preparing a request whose pages are all in this worker's "
-            "KVCR DRAM may wait for their claims, so it is admitted in the same "
-            "scheduling pass (0: never wait; it is then admitted a pass later)."
+            "How long preparing requests whose pages are all in this worker's "
+            "KVCR DRAM may wait for their claims, in all per scheduler step, so "
+            "they are admitted in the same pass (0: never wait; they are then "
+            "admitted a pass later)."
         ),
     )
     prepare_chunk_pages: int = dataclasses.field(

@@ -60,12 +60,14 @@ class CopyJob:
     def poll(self) -> bool | None:
         return self.landed if self.state is JobState.DONE else None
 
-    def cancel(self) -> None:
+    def cancel(self) -> bool:
+        """Drop the job if it has not started; whether it was dropped."""
         with self.lock:
             if self.state is not JobState.QUEUED:
-                return
+                return False
             self.state = JobState.DONE  # never started: nothing writes its slots
         self._notify()
+        return True
 
     def claim(self) -> bool:
         """Move to RUNNING unless cancelled or past its deadline."""
@@ -228,7 +230,7 @@ class DramCopier:
             store = storage.get(ref.pool)
             if store is None or store.data_ptr() != ref.address:
                 raise CopyRefused(f"KVCR DRAM of pool {ref.pool!r} was replaced")
-            if not parts or not 0 <= page < parts[0].shape[0]:
+            if not parts or not 0 <= page < min(p.shape[0] for p in parts):
                 raise CopyRefused(f"no page {page} in pool {ref.pool!r}")
             if sum(p.shape[1] for p in parts) != ref.slot_bytes:
                 raise CopyRefused(f"{ref.pool!r} pages are not {ref.slot_bytes} bytes")
@@ -261,7 +263,9 @@ class DramCopier:
         per_chunk = max(1, self.SCRATCH_BYTES // slot_bytes)
         device = group.parts[0].device
         if self._scratch is None or self._scratch.numel() < per_chunk * slot_bytes:
-            # Only between jobs (each drains its stream): no copy reads the old one.
+            # Also within a job (a pool of larger slots): the old block returns to
+            # the caching allocator on this stream, so only work queued after the
+            # copies reading it can reuse it.
             self._scratch = torch.empty(
                 per_chunk * slot_bytes, dtype=torch.uint8, device=device
             )

@@ -362,26 +362,31 @@ class KVCRAdapter:
         # going away) complete FAILED with their keys.
         why = "KVCR owner thread failed" if self.failed else "KVCR adapter closed"
         answer_unrun(self._inbox.seal(), self._results, self._gate.uncharge, why)
-        writing = False
+        jobs: list[Any] = []
         if owner is not None:
-            # Deposit copies end (or are waited for, bounded: half of what close
-            # waits for this thread) before KVCR closes.
-            writing = not owner.settle_fills(self._limits.wait_timeout_s / 2)
+            # Deposit copies end (or are waited for, bounded: a quarter of what
+            # close waits for this thread) before KVCR closes.
+            jobs = owner.settle_fills(self._limits.wait_timeout_s / 4)
             owner.fail_inflight()
+
+        def writing() -> bool:
+            return any(job.poll() is None for job in jobs)
+
+        if jobs:
+            # A deposit copy still writes KVCR DRAM: quarantined until it stops.
+            logger.error("KVCR closing while a deposit copy still writes its slots")
+            self._clean_close = False
         if kv is not None:
             try:
                 kv.close()
             except Exception:
                 # kvcr keeps backend resources alive when a peer left an operation
                 # unresolved; they stay referenced until the process exits.
-                self.retained = RetainedCore(kv, self._thread.name)
+                self.retained = RetainedCore(kv, self._thread.name, writing=writing)
                 self._clean_close = False
                 logger.exception("KVCR close was not clean; resources retained")
-        if writing and owner is not None:
-            # A deposit copy still writes KVCR DRAM: quarantined until it stops.
-            logger.error("KVCR closed while a deposit copy still writes its slots")
-            self._clean_close = False
-            closed = self.retained is None
-            self.retained = RetainedCore(
-                kv, self._thread.name, writing=owner.fills_writing, closed=closed
-            )
+            else:
+                if jobs:
+                    self.retained = RetainedCore(
+                        kv, self._thread.name, writing=writing, closed=True
+                    )

@@ -331,10 +331,10 @@ class CommandExecutor:
                 except BaseException as exc:
                     command.future.set_exception(exc)
 
-    def settle_fills(self, timeout_s: float) -> bool:
+    def settle_fills(self, timeout_s: float) -> list[Any]:
         """Closing: drop deposit copies not started, wait up to ``timeout_s`` for
-        running ones, and answer them all FAILED; whether none still writes
-        (those that do stay in ``fills``)."""
+        running ones, and answer every deposit FAILED; the copy jobs that still
+        write (their DRAM must stay quarantined until they stop)."""
         deadline = time.monotonic() + timeout_s
         while True:
             left = []
@@ -350,14 +350,12 @@ class CommandExecutor:
                     left.append((fill, command))
             self.fills = left
             if not left or time.monotonic() >= deadline:
-                return not left
+                break
             time.sleep(0.005)
-
-    def fills_writing(self) -> bool:
-        """Whether a deposit copy the close could not wait for still writes."""
-        return any(
-            fill.job is not None and fill.job.poll() is None for fill, _ in self.fills
-        )
+        # Answered now all the same: nothing waits on a closed KVCR's deposit.
+        answer_unrun([c for _, c in left], self._results, self._uncharge, "")
+        self.fills = []
+        return [fill.job for fill, _ in left]
 
     def fail_inflight(self) -> None:
         """KVCR is gone: every operation it still ran completes FAILED, with its
@@ -393,19 +391,17 @@ class CommandExecutor:
         self._publish_peer_checks()
 
     def _poll_fills(self) -> None:
-        """Deposits whose copies are over (and fills they wait on resolved)."""
-        if not self.fills:
-            return
-        left = []
-        for fill, command in self.fills:
+        """Deposits whose copies are over (and fills they wait on resolved),
+        each answered and taken off ``fills`` at once."""
+        for entry in tuple(self.fills):
+            fill, command = entry
             results = page_fills.poll(self._kvcr, fill)
             if results is None:
-                left.append((fill, command))
                 continue
+            self.fills.remove(entry)
             self._uncharge(budget_of(command), command.nbytes)
             done = {bytes(k): EntryResult(status) for k, status in results.items()}
             self._results.put(OpDone(command.op_id, OpKind.DEPOSIT, done))
-        self.fills = left
 
     def _publish_peer_checks(self) -> None:
         """What kvcr's peer checks counted (kvcr_patches), into the stats."""

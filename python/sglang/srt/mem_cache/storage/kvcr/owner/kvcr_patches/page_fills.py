@@ -50,8 +50,9 @@ class CopyJob(Protocol):
     def poll(self) -> bool | None:
         """None while bytes may still be written, else whether all landed."""
 
-    def cancel(self) -> None:
-        """Drop the copy if it has not started (its poll then says False)."""
+    def cancel(self) -> bool:
+        """Drop the copy if it has not started (its poll then says False);
+        whether it was dropped."""
 
 
 class PageCopier(Protocol):
@@ -76,7 +77,7 @@ class PageFill:
     waiting: set[bytes]
     results: dict[bytes, EntryStatus]
     deadline: float
-    started: float
+    started: Any  # kvcr's timer reading (its transfer telemetry)
     nbytes: int
     job: CopyJob | None = None
     cancelled: bool = False
@@ -109,6 +110,7 @@ def install() -> None:
                 (core._KVCRCore, "_block_record"),
                 (core._KVCRCore, "_prune_block_record"),
                 (core._KVCRCore, "_operation_deadline"),
+                (core._KVCRCore, "_record_transfer_enabled"),
             )
             if not hasattr(owner, name)
         ]
@@ -139,8 +141,7 @@ def begin(
     core = kv._core
     local = core._local_dram
     copier = _ATTACHED.get(core)
-    now = time.monotonic()
-    fill = PageFill((), (), set(), {}, core._operation_deadline(), now, 0)
+    fill = PageFill((), (), set(), {}, core._operation_deadline(), core._timer(), 0)
     if local is None or copier is None:
         fill.results = dict.fromkeys(blocks, EntryStatus.FAILED)
         return fill
@@ -172,6 +173,14 @@ def begin(
                 if key not in destinations:  # dropped, or no slot in time
                     fill.results[key] = EntryStatus.FAILED
                     core._prune_block_record(key)
+        for key, status in fill.results.items():
+            # A READY key this deposit's own reservations evicted is not stored.
+            residency = core._block_record(key).local_dram
+            if status is EntryStatus.SUCCESS and (
+                residency is None or residency.state is not _LocalDramState.READY
+            ):
+                fill.results[key] = EntryStatus.FAILED
+                core._prune_block_record(key)
         filled = tuple(reserved)
         slots = tuple(tuple(core._block_record(k).local_dram.slots) for k in filled)
         pools = {name: (addr, size) for name, (addr, _, size) in local._pools.items()}
@@ -190,35 +199,31 @@ def begin(
 
 def poll(kv: Any, fill: PageFill) -> dict[bytes, EntryStatus] | None:
     """Owner thread: every key's result once the copy is over and the fills it
-    waits on resolved, else None. A copy past its deadline is cancelled (one
-    already running is waited for, then counts as failed)."""
+    waits on resolved, else None. Its own slots are completed as soon as the copy
+    is over (READY when every byte landed). Past the deadline a copy not started
+    is dropped (failed); one already running is waited for and counts as it ends."""
     from kvcr.local_dram import _LocalDramState
 
     now = time.monotonic()
-    if fill.job is not None and not fill.cancelled and now >= fill.deadline:
-        fill.cancelled = True
-        fill.job.cancel()
-    landed = True if fill.job is None else fill.job.poll()
-    if landed is None:
-        return None
+    job = fill.job
+    if job is not None and not fill.cancelled and now >= fill.deadline:
+        fill.cancelled = job.cancel()  # True only if it never started
+    landed = True if job is None else job.poll()
     core = kv._core
     with core._state_lock:
+        if landed is not None and fill.keys:
+            _complete(core, fill, bool(landed))
         for key in tuple(fill.waiting):
             record = core._block_record_map.get(key)
-            state = (
-                None
-                if record is None or record.local_dram is None
-                else (record.local_dram.state)
-            )
+            residency = None if record is None else record.local_dram
+            state = None if residency is None else residency.state
             if state is _LocalDramState.FILLING and now < fill.deadline:
                 continue
             fill.waiting.discard(key)
             ready = state is _LocalDramState.READY
             fill.results[key] = EntryStatus.SUCCESS if ready else EntryStatus.FAILED
-        if fill.waiting:
-            return None
-        if fill.keys:
-            _complete(core, fill, bool(landed) and not fill.cancelled)
+    if landed is None or fill.waiting:
+        return None
     return fill.results
 
 
@@ -243,7 +248,7 @@ def _complete(core: Any, fill: PageFill, success: bool) -> None:
 
     done, fill.keys = fill.keys, ()
     core._local_dram._apply_fill_result(done, fill.slots, success, CacheTier.FW_G2)
-    core._record_transfer("local_fill", None, success, len(done), fill.nbytes)
+    core._record_transfer("local_fill", fill.started, success, len(done), fill.nbytes)
     for key in done:
         record = core._block_record_map.get(key)
         ready = (
