@@ -38,6 +38,7 @@ from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
     DeviceBinding,
     DeviceStallError,
 )
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import EntryStatus, OpDone
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import page_fills
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.page_fills import SlotRef
 
@@ -359,6 +360,10 @@ def test_a_close_waits_for_a_running_copy_and_quarantines_one_it_outlives(
         wait_until(lambda: (lk.num_completed_offloads(), started.is_set())[1])
         adapter = lk._adapter
         assert adapter.close() is False  # the copy outlived the wait
+        # Its deposit is answered all the same (nothing waits on a closed KVCR).
+        done = [d for d in adapter.drain() if isinstance(d, OpDone)]
+        statuses = [e.status for d in done for e in d.entries.values()]
+        assert statuses == [EntryStatus.FAILED] * len(lk.layout.pools)
         assert adapter.retained is not None
         assert adapter.reclaim(0.5) is False  # still writing
         release.set()
