@@ -295,12 +295,20 @@ class DramCopier:
         group.slots_view[first : first + hi - lo].copy_(picked, non_blocking=True)
 
 
+MAX_RUNS = 8  # more runs of slots than this: gather, then scatter (CPU)
+
+
 def _copy_pages(group: PoolCopy) -> None:
     """Host pages -> slots: per span, one ``index_select`` per arithmetic run of
     slots, its output a strided view of the slots themselves (no intermediate
-    copy)."""
+    copy). Slots scattered into more than ``MAX_RUNS`` runs (a churned DRAM
+    frees them in eviction order) would cost a small copy per page and span:
+    each span's pages are then gathered with one ``index_select`` and scattered
+    into their slots with one ``index_copy_`` (as the restore does)."""
     index = torch.tensor(group.pages, dtype=torch.long)
     runs = plan_runs(group.slots)
+    scatter = torch.tensor(group.slots, dtype=torch.long)
+    fragmented = len(runs) > MAX_RUNS
     store = group.slots_view
     offset = 0
     for rows in group.parts:
@@ -309,6 +317,10 @@ def _copy_pages(group: PoolCopy) -> None:
         dst = wide_rows(store[:, offset : offset + width])
         if src.dtype != dst.dtype:  # different alignment: plain bytes on both sides
             src, dst = rows, store[:, offset : offset + width]
+        offset += width
+        if fragmented:
+            dst.index_copy_(0, scatter, src.index_select(0, index))
+            continue
         cols = dst.shape[1]
         for a, b, stride in runs:
             out = dst.as_strided(
@@ -317,4 +329,3 @@ def _copy_pages(group: PoolCopy) -> None:
                 dst.storage_offset() + group.slots[a] * dst.stride(0),
             )
             torch.index_select(src, 0, index[a:b], out=out)
-        offset += width

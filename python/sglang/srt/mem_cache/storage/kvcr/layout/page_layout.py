@@ -193,7 +193,7 @@ class PageLayout:
 
     def make_key(self, page_hash: str, pool: str) -> str:
         """KVCR key of one page of one KVCR pool, tagged with this digest."""
-        if not page_hash or "#" in page_hash or pool not in self.pool_names:
+        if not page_hash or "#" in page_hash or pool not in self.object_bytes:
             raise KVCRLayoutError(f"cannot key page {page_hash!r} of pool {pool!r}")
         return f"{page_hash}#{KEY_TAG}#{self.compatibility_digest}#{pool}"
 
@@ -203,7 +203,7 @@ class PageLayout:
         if len(parts) != 4 or parts[1] != KEY_TAG or not parts[0]:
             raise KVCRLayoutError(f"{key!r} is not a {KEY_TAG} key")
         page_hash, _, digest, pool = parts
-        if digest != self.compatibility_digest or pool not in self.pool_names:
+        if digest != self.compatibility_digest or pool not in self.object_bytes:
             raise KVCRLayoutError(
                 f"key {key!r} is foreign to layout {self.compatibility_digest}"
             )

@@ -278,11 +278,13 @@ class CommandExecutor:
         return bool(self.inflight or self.fills)
 
     def poll_period(self) -> float:
-        if not self.busy:
-            return IDLE_POLL_S
         if any(isinstance(op, Fetch) for op in self.inflight.values()):
             return FETCH_POLL_S
-        return DEPOSIT_POLL_S
+        if self.inflight:
+            return DEPOSIT_POLL_S
+        # Idle, or only deposit copies: their copier wakes this thread when done
+        # (the idle period still bounds how late a deadline is noticed).
+        return IDLE_POLL_S
 
     def run_batch(self, batch: collections.deque[object], stop: object) -> bool:
         """Run ``batch`` in order, popping each command once it has run (one that
@@ -295,7 +297,8 @@ class CommandExecutor:
                 return False
             self._execute(command)
             batch.popleft()
-            kvcr_patches.wake()  # KVCR may have new work: its progress loop polls now
+            if not isinstance(command, Deposit):  # a deposit's copy is the copier's
+                kvcr_patches.wake()  # KVCR may have new work: its progress loop polls
         return True
 
     def _execute(self, command: object) -> None:
