@@ -206,7 +206,7 @@ def test_pages_land_in_their_slots_whatever_the_order():
     """Property: any pages into any distinct slots (runs, strides, singles), each
     slot holding every span of its page in span order."""
     rng = random.Random(5)
-    interesting = 0
+    interesting = scattered = 0
     for case in range(60):
         nparts, row = rng.choice([1, 2, 3]), rng.choice([16, 24, 64])
         spans = [
@@ -214,13 +214,14 @@ def test_pages_land_in_their_slots_whatever_the_order():
         ]
         slot_bytes = nparts * row
         store = torch.zeros(96 * slot_bytes, dtype=torch.uint8)
-        n = rng.randint(1, 20)
+        n = rng.randint(1, 40)
         slots = rng.sample(range(96), n)
         if case % 2:
             slots.sort()
         pages = [rng.randrange(32) for _ in range(n)]
         refs = [SlotRef("kv", store.data_ptr(), slot_bytes, s) for s in slots]
         interesting += len(plan_runs(sorted(slots))) < len(slots)
+        scattered += len(plan_runs(sorted(slots))) > dram_copy.MAX_RUNS
         copier = _copier({"kv": spans}, {"kv": store})
         try:
             job = copier.start(list(zip(pages, refs)), deadline=float("inf"))
@@ -242,6 +243,7 @@ def test_pages_land_in_their_slots_whatever_the_order():
         untouched = set(range(96)) - set(slots)
         assert all(int(view[s].count_nonzero()) == 0 for s in untouched)
     assert interesting >= 20  # most cases had multi-slot runs, not only singles
+    assert scattered >= 10  # and many took the gather-then-scatter path
 
 
 def test_plan_runs_splits_on_stride_changes():
