@@ -47,19 +47,26 @@ pytestmark = pytest.mark.kvcr
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-@pytest.fixture
-def held_copy(monkeypatch):
-    """Every copy waits for ``release`` before moving a byte."""
+def _hold_copies(monkeypatch, fails: bool = False):
+    """Every copy waits for ``release`` before moving a byte (then raises, when
+    ``fails``); returns ``(started, release)``."""
     release, started = threading.Event(), threading.Event()
     original = DramCopier._copy
 
     def held(self, job, stream):
         started.set()
         assert release.wait(10), "test never released the copy"
+        if fails:
+            raise RuntimeError("copy failed (injected)")
         original(self, job, stream)
 
     monkeypatch.setattr(DramCopier, "_copy", held)
     return started, release
+
+
+@pytest.fixture
+def held_copy(monkeypatch):
+    return _hold_copies(monkeypatch)
 
 
 def _resident(lk) -> int:
@@ -317,17 +324,7 @@ def test_an_offload_of_pages_still_filling_reports_that_fill(monkeypatch, lands)
     """The same pages offloaded again while their first copy is held: the
     second deposit does not copy them again and reports the first copy's
     outcome (stored if it landed, failed if it did not)."""
-    release, started = threading.Event(), threading.Event()
-    original = DramCopier._copy
-
-    def held(self, job, stream):
-        started.set()
-        assert release.wait(10), "test never released the copy"
-        if not lands:
-            raise RuntimeError("copy failed (injected)")
-        original(self, job, stream)
-
-    monkeypatch.setattr(DramCopier, "_copy", held)
+    started, release = _hold_copies(monkeypatch, fails=not lands)
     pool = make_pool()
     fill_random(pool, [1, 2], seed=17)
     lk = make_linker(pool)
