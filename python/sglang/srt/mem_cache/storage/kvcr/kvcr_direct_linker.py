@@ -244,7 +244,7 @@ class KVCRDirectLinker(
         prep, start = self.preparations.get(rid), time.monotonic()
         while prep and prep.local_only and prep.state is PrepState.FETCHING:
             if (left := self._local_wait_s - (time.monotonic() - start)) <= 0:
-                self.stats.local_hit_waits_expired += self.config.local_hit_wait_ms > 0
+                self.stats.local_hit_waits_expired += self._local_wait_s > 0
                 break
             self._route(left)
         self._local_wait_s -= time.monotonic() - start

@@ -275,6 +275,10 @@ def test_a_pair_the_copier_cannot_write_is_refused():
             )
             with pytest.raises(CopyRefused):
                 copier._groups(job)
+        ref = SlotRef("kv", store.data_ptr(), 16, 3)
+        twice = dram_copy.CopyJob([(0, ref), (1, ref)], float("inf"))
+        with pytest.raises(CopyRefused, match="named twice"):
+            copier._groups(twice)  # two pages into one slot: neither is written
     finally:
         assert copier.close(5)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import types
 
 import pytest
 
@@ -39,7 +40,11 @@ def stand_in_fills(monkeypatch):
     """Deposits reach the stand-in's ``deposit`` (the real path reserves slots in
     kvcr's core, which a stand-in has not) and their copies never finish."""
     fills = kvcr_executor.page_fills
-    monkeypatch.setattr(fills, "begin", lambda kv, blocks, wake: kv.deposit(blocks))
+
+    def begin(kv, blocks, wake):
+        return types.SimpleNamespace(handle=kv.deposit(blocks), waiting=set(), job=None)
+
+    monkeypatch.setattr(fills, "begin", begin)
     monkeypatch.setattr(fills, "poll", lambda kv, fill: None)
     monkeypatch.setattr(fills, "abandon", lambda kv, fill: True)
 

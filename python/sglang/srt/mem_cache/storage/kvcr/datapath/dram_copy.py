@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import logging
 import queue
 import threading
@@ -245,6 +246,8 @@ class DramCopier:
         out = []
         for pool, pairs in by_pool.items():
             pairs.sort()
+            if any(a[0] == b[0] for a, b in itertools.pairwise(pairs)):
+                raise CopyRefused(f"a slot of pool {pool!r} is named twice")
             out.append(
                 PoolCopy(
                     self._sources[pool],

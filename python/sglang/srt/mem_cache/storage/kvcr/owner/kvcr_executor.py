@@ -278,10 +278,10 @@ class CommandExecutor:
         return bool(self.inflight or self.fills)
 
     def poll_period(self) -> float:
-        if any(isinstance(op, Fetch) for op in self.inflight.values()):
+        if self.inflight:  # fetches (deposits never enter it)
             return FETCH_POLL_S
-        if self.inflight:
-            return DEPOSIT_POLL_S
+        if any(fill.waiting for fill, _ in self.fills):
+            return DEPOSIT_POLL_S  # a fill of another operation ends unannounced
         # Idle, or only deposit copies: their copier wakes this thread when done
         # (the idle period still bounds how late a deadline is noticed).
         return IDLE_POLL_S
@@ -371,9 +371,14 @@ class CommandExecutor:
             setattr(self._stats, field, getattr(self._stats, field) + n)
 
     def poll(self) -> None:
-        self._poll_fills()  # before KVCR's completions: fetches waiting on a fill
+        # Before KVCR's completions (fetches waiting on a fill); kvcr's progress
+        # loop is woken for whatever a completed fill handed it.
+        if self._poll_fills():
+            kvcr_patches.wake()
         pins = self._pins.requests
         completed = self._kvcr.poll_completed()
+        if completed and self.fills:
+            self._poll_fills()  # a fill a deposit waits on may have just ended
         if completed or self._pins.requests != pins:
             # Follow-up work (a declined pin's answer, the next step of an
             # exchange) may now sit in KVCR's progress queue: do not let it wait
@@ -393,18 +398,21 @@ class CommandExecutor:
             self._results.put(OpDone(op.op_id, kind, done))
         self._publish_peer_checks()
 
-    def _poll_fills(self) -> None:
+    def _poll_fills(self) -> int:
         """Deposits whose copies are over (and fills they wait on resolved),
-        each answered and taken off ``fills`` at once."""
+        each answered and taken off ``fills`` at once; how many."""
+        answered = 0
         for entry in tuple(self.fills):
             fill, command = entry
             results = page_fills.poll(self._kvcr, fill)
             if results is None:
                 continue
             self.fills.remove(entry)
+            answered += 1
             self._uncharge(budget_of(command), command.nbytes)
             done = {bytes(k): EntryResult(status) for k, status in results.items()}
             self._results.put(OpDone(command.op_id, OpKind.DEPOSIT, done))
+        return answered
 
     def _publish_peer_checks(self) -> None:
         """What kvcr's peer checks counted (kvcr_patches), into the stats."""
