@@ -192,7 +192,7 @@ class KVCRDirectLinker(
 
     def _route(self, wait_s: float = 0.0) -> None:
         if self.offloader.queue.has_deferred:
-            self.offloader.submit_ready(self._adapter, self.session.agent)
+            self.offloader.submit_ready(self._adapter)
         for item in self._adapter.drain(wait_s):
             if isinstance(item, InventoryChange):
                 self.stats.evicted_pages += self.residency.on_inventory(item)
@@ -344,7 +344,6 @@ class KVCRDirectLinker(
         self.offloader.offload(
             transfers,
             self._adapter,
-            self.session.agent,
             self._ready_events,
             self._refusing_pages,
         )

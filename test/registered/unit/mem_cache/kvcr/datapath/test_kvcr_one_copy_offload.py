@@ -103,7 +103,7 @@ def test_no_slot_is_ready_before_its_copy_landed(held_copy):
         assert lk.offload(kv_transfer(hashes, [1, 2])) is True
         wait_until(lambda: (lk.num_completed_offloads(), started.is_set())[1])
         # KVCR has the slots (FILLING) and the copy has not run: for 0.3 s of owner
-        # polls (every 2 ms) the offload stays unanswered and nothing is a hit.
+        # polls the offload stays unanswered and nothing is a hit.
         for _ in range(30):
             assert lk.num_completed_offloads() == 0
             assert _resident(lk) == 0

@@ -576,7 +576,6 @@ def test_staged_offload_events_follow_the_page_number_kernels(linker, pool):
         linker.offloader.offload(
             kv_transfer(hashes_for(1, "order"), [3]),
             linker._adapter,
-            linker.session.agent,
             ready,
             False,
         )

@@ -71,7 +71,6 @@ class Offloader:
         self,
         transfers: list[PoolTransfer],
         adapter: Any,
-        agent: str,
         ready_events: Callable[[], Iterable[Any]],
         refuse: bool,
     ) -> None:
@@ -174,7 +173,7 @@ class Offloader:
         pages = _pool_pages(pool, t.device_indices, len(t.keys), self.page_size)
         return PoolPages(pool, [t.keys[j] for j in keep], select(pages, keep))
 
-    def submit_ready(self, adapter: Any, agent: str) -> None:
+    def submit_ready(self, adapter: Any) -> None:
         """Submit the direct-path offloads whose pages are ready, in order."""
         for deferred in self.queue.take_ready(time.monotonic()):
             if deferred.record.outcome is not OffloadOutcome.PENDING:

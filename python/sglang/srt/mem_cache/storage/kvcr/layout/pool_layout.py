@@ -83,12 +83,10 @@ class PoolLayout:
     name: str
     source: str
     spans: tuple[Span, ...]
-    mem_type: str = "DRAM"
     # The SGLang transfer whose device indices address this pool ("kv", "swa",
     # "mamba"), and which pages of a restored prefix it must hold.
     indices_from: str = "kv"
     policy: HitPolicy = HitPolicy.ALL_PAGES
-    device_id: int = 0
     # Device indices per page of this pool (1 for Mamba state slots; 0: the
     # layout's page size) and buffer rows per page (0: the same).
     index_page_size: int = 0

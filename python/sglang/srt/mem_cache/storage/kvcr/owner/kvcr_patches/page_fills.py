@@ -175,10 +175,7 @@ def begin(
                     core._prune_block_record(key)
         for key, status in fill.results.items():
             # A READY key this deposit's own reservations evicted is not stored.
-            residency = core._block_record(key).local_dram
-            if status is EntryStatus.SUCCESS and (
-                residency is None or residency.state is not _LocalDramState.READY
-            ):
+            if status is EntryStatus.SUCCESS and not _is_ready(core, key):
                 fill.results[key] = EntryStatus.FAILED
                 core._prune_block_record(key)
         filled = tuple(reserved)
@@ -216,12 +213,13 @@ def poll(kv: Any, fill: PageFill) -> dict[bytes, EntryStatus] | None:
         for key in tuple(fill.waiting):
             record = core._block_record_map.get(key)
             residency = None if record is None else record.local_dram
-            state = None if residency is None else residency.state
-            if state is _LocalDramState.FILLING and now < fill.deadline:
+            filling = (
+                residency is not None and residency.state is _LocalDramState.FILLING
+            )
+            if filling and now < fill.deadline:
                 continue
             fill.waiting.discard(key)
-            ready = state is _LocalDramState.READY
-            fill.results[key] = EntryStatus.SUCCESS if ready else EntryStatus.FAILED
+            fill.results[key] = _status(core, key)
     if landed is None or fill.waiting:
         return None
     return fill.results
@@ -243,17 +241,23 @@ def abandon(kv: Any, fill: PageFill) -> bool:
 
 def _complete(core: Any, fill: PageFill, success: bool) -> None:
     """Apply the copy's outcome through kvcr (READY or freed) and record it."""
-    from kvcr.local_dram import _LocalDramState
     from kvcr.types import CacheTier
 
     done, fill.keys = fill.keys, ()
     core._local_dram._apply_fill_result(done, fill.slots, success, CacheTier.FW_G2)
     core._record_transfer("local_fill", fill.started, success, len(done), fill.nbytes)
     for key in done:
-        record = core._block_record_map.get(key)
-        ready = (
-            record is not None
-            and record.local_dram is not None
-            and record.local_dram.state is _LocalDramState.READY
-        )
-        fill.results[key] = EntryStatus.SUCCESS if ready else EntryStatus.FAILED
+        fill.results[key] = _status(core, key)
+
+
+def _is_ready(core: Any, key: bytes) -> bool:
+    """Whether ``key`` is READY in this KVCR's DRAM now."""
+    from kvcr.local_dram import _LocalDramState
+
+    record = core._block_record_map.get(key)
+    residency = None if record is None else record.local_dram
+    return residency is not None and residency.state is _LocalDramState.READY
+
+
+def _status(core: Any, key: bytes) -> EntryStatus:
+    return EntryStatus.SUCCESS if _is_ready(core, key) else EntryStatus.FAILED
