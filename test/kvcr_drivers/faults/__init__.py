@@ -11,6 +11,8 @@ nothing is mocked except one injected device-copy fault.
 ``peers``          peer linkers in spawned child processes; the unreachable peer
 ``peer_scenarios`` frozen / killed / restarted peer, flush with a quarantined op
 ``suite``          the fast scenarios in ``make test``'s order
-``soak``, ``tp2``, ``fuzz``, ``multihost``: the server-based and pytest-based
-parts (``multihost``: linker servers in network namespaces, root only)
+``soak``, ``tp2``, ``fuzz``: the server-based and pytest-based parts
+``pytest_parts``   opt-in pytest modules run as parts: ``multihost`` (linker servers
+                   in network namespaces, root only) and ``injection`` (faults
+                   injected into a running linker server)
 """

@@ -25,9 +25,15 @@ device-copy fault.
    (``test_kvcr_multihost.py``, ``-m netns``; needs root, fails without
    namespaces): peer reuse across hosts with the allowlist and with CURVE, a host
    off the allowlist refused pages and NIXL metadata on every port, a peer killed
-   mid-transfer (``kvcr_drivers.faults.multihost``).
+   mid-transfer (``kvcr_drivers.faults.pytest_parts``).
+7. Injection: ``e2e/test_kvcr_fault_injection_e2e.py`` (``-m server_faults``): one
+   CPU linker server with faults injected into KVCR and the linker's side threads
+   (an owner-thread exception, kvcr's progress thread dying, a failed restore
+   copy, a close stuck during ``/flush_cache``, the loader dying); each answer
+   equals the recompute and the linker comes back (``pytest_parts``).
 
-Writes a JSON report (top-level ``scenarios``, ``soak``, ``fuzz``, ``multihost``);
+Writes a JSON report (top-level ``scenarios``, ``soak``, ``fuzz``, ``injection``,
+``multihost``);
 the last line printed is ``REPORT <path>``. Exits non-zero when anything failed.
 """
 
@@ -48,13 +54,13 @@ import _paths  # noqa: F401  (the repository's test/ on sys.path)
 from kvcr_drivers import cli
 from kvcr_drivers.faults.common import Scenario
 from kvcr_drivers.faults.fuzz import run_fuzz
-from kvcr_drivers.faults.multihost import run_multihost
+from kvcr_drivers.faults.pytest_parts import run_part
 from kvcr_drivers.faults.soak import run_soak
 from kvcr_drivers.faults.suite import run_fast_scenarios
 from kvcr_drivers.faults.tp2 import run_tp2, run_tp2_mla
 from kvcr_drivers.interop import dynamo_interop
 
-PARTS = ("scenarios", "soak", "fuzz", "tp2", "interop", "multihost")
+PARTS = ("scenarios", "soak", "fuzz", "tp2", "injection", "interop", "multihost")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -133,13 +139,19 @@ def main(argv: list[str] | None = None) -> int:
             ),
             flush=True,
         )
+    injection: dict[str, Any] = {"skipped": "injection" in skip}
+    if "injection" not in skip:
+        injection = phase("injection", lambda: run_part("injection", work / "injection"))
+        print(
+            f"[faults]   injection tests: {json.dumps(injection['tests'])}", flush=True
+        )
     interop: dict[str, Any] = {"skipped": "interop" in skip}
     if "interop" not in skip:
         interop = phase("interop", lambda: dynamo_interop.run(work / "interop"))
         print(f"[faults]   interop checks: {json.dumps(interop['checks'])}", flush=True)
     multihost: dict[str, Any] = {"skipped": "multihost" in skip}
     if "multihost" not in skip:
-        multihost = phase("multihost", lambda: run_multihost(work / "multihost"))
+        multihost = phase("multihost", lambda: run_part("multihost", work / "multihost"))
         print(
             f"[faults]   multihost tests: {json.dumps(multihost['tests'])}", flush=True
         )
@@ -155,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         all(sc.passed for sc in scenarios)
         and ("soak" in skip or soak["passed"])
         and fuzz_ok
+        and ("injection" in skip or injection["passed"])
         and ("interop" in skip or interop["passed"])
         and ("multihost" in skip or multihost["passed"])
     )
@@ -164,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         "soak": soak,
         "fuzz": fuzz,
         "fuzz_run": fuzz_meta,
+        "injection": injection,
         "interop": interop,
         "multihost": multihost,
         "timings_s": {**timings, "total": round(wall, 1)},

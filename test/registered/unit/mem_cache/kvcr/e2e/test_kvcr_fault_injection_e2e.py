@@ -33,7 +33,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from cpu_harness import tiny_model
 from cpu_harness.kvcr_servers import OUTPUT_LEN, launch_linker
 
-pytestmark = [pytest.mark.server, pytest.mark.kvcr]
+# About 70 s of one server: in ``make faults`` (part ``injection``), not ``make test``.
+pytestmark = [pytest.mark.server, pytest.mark.kvcr, pytest.mark.server_faults]
 
 PROMPT_LEN = 128  # launch_linker's device pool: 4 prompts
 BANK = 6  # cycled: each is evicted from the device before it comes back

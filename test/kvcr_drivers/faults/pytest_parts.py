@@ -1,8 +1,14 @@
-"""Multi-host: ``test_kvcr_multihost.py`` under pytest (``-m netns``): linker
-servers in Linux network namespaces on one bridge; peer reuse with the allowlist
-and with CURVE, a host off the allowlist refused (pages and NIXL metadata on every
-port), a peer killed mid-transfer. Needs root; without namespaces it fails, never
-skips. Returns each test's outcome and time from pytest's JUnit XML.
+"""The ``make faults`` parts that are opt-in pytest modules, each run under pytest
+with its marker and judged from pytest's JUnit XML (each test's outcome and time;
+the part passes only when every expected test ran and passed).
+
+- ``multihost`` (``-m netns``, ``test_kvcr_multihost.py``): linker servers in Linux
+  network namespaces on one bridge; peer reuse with the allowlist and with CURVE,
+  a host off the allowlist refused (pages and NIXL metadata on every port), a peer
+  killed mid-transfer. Needs root; without namespaces it fails, never skips.
+- ``injection`` (``-m server_faults``, ``test_kvcr_fault_injection_e2e.py``): one
+  CPU linker server with faults injected into KVCR and the linker's side threads;
+  serving goes on and every answer equals the recompute.
 """
 
 from __future__ import annotations
@@ -17,8 +23,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[3]
-TESTS = REPO / "test/registered/unit/mem_cache/kvcr/fleet/test_kvcr_multihost.py"
-EXPECTED = 5  # tests in TESTS
+TESTS = REPO / "test/registered/unit/mem_cache/kvcr"
+# part -> (marker, module under TESTS, how many tests it holds)
+PARTS = {
+    "multihost": ("netns", "fleet/test_kvcr_multihost.py", 5),
+    "injection": ("server_faults", "e2e/test_kvcr_fault_injection_e2e.py", 5),
+}
 TIMEOUT_S = 1800
 INTERRUPT_GRACE_S = 180
 
@@ -38,16 +48,18 @@ def _outcomes(xml: Path) -> dict[str, dict[str, Any]]:
     return tests
 
 
-def run_multihost(work: Path) -> dict[str, Any]:
+def run_part(name: str, work: Path) -> dict[str, Any]:
+    """Run part ``name`` of ``PARTS`` under pytest in ``work``."""
+    marker, module, expected = PARTS[name]
     work.mkdir(parents=True, exist_ok=True)
-    xml = work / "multihost.xml"
+    xml = work / f"{name}.xml"
     xml.unlink(missing_ok=True)
     started = time.monotonic()
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-            "-m", "netns", f"--junitxml={xml}", f"--basetemp={work / 'tmp'}",
-            str(TESTS),
+            "-m", marker, f"--junitxml={xml}", f"--basetemp={work / 'tmp'}",
+            str(TESTS / module),
         ],
         cwd=str(REPO),
         env=dict(os.environ),
@@ -65,12 +77,12 @@ def run_multihost(work: Path) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             proc.kill()
             out, _ = proc.communicate(timeout=30)
-        out += f"\n[multihost] timed out after {TIMEOUT_S} s"
+        out += f"\n[{name}] timed out after {TIMEOUT_S} s"
     rc, tail = proc.returncode, out[-4000:]
     tests = _outcomes(xml)
     return {
         "passed": rc == 0
-        and len(tests) == EXPECTED
+        and len(tests) == expected
         and all(t["outcome"] == "passed" for t in tests.values()),
         "pytest_rc": rc,
         "tests": tests,
