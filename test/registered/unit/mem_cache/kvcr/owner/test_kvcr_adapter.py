@@ -292,3 +292,121 @@ def test_owner_thread_crash_fails_the_adapter_without_raising_on_the_scheduler()
     with pytest.raises(KVCRAdapterFailed) as info:
         adapter.close()
     assert "progress thread died" in repr(info.value.__cause__)
+
+
+def _deposit_and_claim(adapter: KVCRAdapter, name: str, keys: range) -> list:
+    """Deposit framework rows ``keys`` and fetch them back: their claims."""
+    op = adapter.next_op_id()
+    blocks = {_key(i): _ref(name, i) for i in keys}
+    adapter.submit(Deposit(op_id=op, blocks=blocks, nbytes=len(keys) * BLOCK))
+    assert {e.status for e in _wait_for(adapter, op).entries.values()} == {
+        EntryStatus.SUCCESS
+    }
+    op = adapter.next_op_id()
+    adapter.submit(
+        Fetch(
+            op_id=op,
+            keys=tuple(blocks),
+            request_id=f"{name}-claims",
+            expected_layout=("kv:page",),
+            nbytes=len(keys) * BLOCK,
+        )
+    )
+    entries = _wait_for(adapter, op).entries
+    assert all(e.claim is not None for e in entries.values())
+    return [e.claim for e in entries.values()]
+
+
+def _stalled(adapter: KVCRAdapter) -> threading.Event:
+    """Hold the owner thread in a call until the returned event is set, so that
+    commands submitted meanwhile queue up behind it."""
+    go, inside = threading.Event(), threading.Event()
+
+    def hold(kv):
+        inside.set()
+        return go.wait(10)
+
+    threading.Thread(target=adapter.call, args=(hold, 15), daemon=True).start()
+    assert inside.wait(10)
+    return go
+
+
+def test_a_fetch_queued_behind_a_release_runs_first(buffers):
+    """A preparation's fetch does not wait out the release of earlier claims
+    queued before it (kvcr's per-claim Python); the claims are still released
+    once the owner thread has nothing else to do."""
+    fw, store = buffers
+    adapter = _make(fw, store, "adapter-defer")
+    order: list[str] = []
+    try:
+        claims = _deposit_and_claim(adapter, "adapter-defer", range(3))
+        kv = adapter.call(lambda kv: kv)
+        for name in ("fetch", "release"):
+            original = getattr(kv, name)
+
+            def spy(*a, _orig=original, _name=name, **k):
+                order.append(_name)
+                return _orig(*a, **k)
+
+            setattr(kv, name, spy)
+        go = _stalled(adapter)
+        adapter.submit(Release(tuple(claims)))
+        op = adapter.next_op_id()
+        adapter.submit(
+            Fetch(
+                op_id=op,
+                keys=(_key(0), _key(1)),
+                request_id="after-release",
+                expected_layout=("kv:page",),
+                nbytes=2 * BLOCK,
+            )
+        )
+        go.set()
+        entries = _wait_for(adapter, op).entries
+        assert {e.status for e in entries.values()} == {EntryStatus.SUCCESS}
+        wait_until(
+            lambda: adapter.stats().claims_released >= len(claims),
+            timeout=5,
+            what="deferred claims released",
+        )
+        assert order == ["fetch", "release"], order
+        _release_all_after(adapter, [e.claim for e in entries.values()], len(claims))
+    finally:
+        adapter.close()
+
+
+def _release_all_after(adapter: KVCRAdapter, claims: list, before: int) -> None:
+    adapter.submit(Release(tuple(claims)))
+    wait_until(
+        lambda: adapter.stats().claims_released >= before + len(claims),
+        timeout=5,
+        what="claims released",
+    )
+    assert adapter.stats().claims_released == before + len(claims)
+
+
+def test_a_deposit_behind_a_release_gets_the_released_slots(buffers):
+    """Every slot of the DRAM is claimed; their release and a deposit that needs
+    them queue together. The deferred release runs before the deposit reserves,
+    so the deposit evicts the released pages and lands."""
+    fw, store = buffers
+    adapter = _make(fw, store, "adapter-defer-dep")
+    try:
+        claims = _deposit_and_claim(adapter, "adapter-defer-dep", range(SLOTS))
+        go = _stalled(adapter)
+        adapter.submit(Release(tuple(claims)))
+        op = adapter.next_op_id()
+        fresh = range(SLOTS, SLOTS + 3)
+        adapter.submit(
+            Deposit(
+                op_id=op,
+                blocks={_key(i): _ref("adapter-defer-dep", i) for i in fresh},
+                nbytes=len(fresh) * BLOCK,
+            )
+        )
+        go.set()
+        done = _wait_for(adapter, op)
+        assert {e.status for e in done.entries.values()} == {EntryStatus.SUCCESS}
+        assert adapter.stats().claims_released == SLOTS
+    finally:
+        adapter.close()

@@ -333,7 +333,9 @@ class KVCRAdapter:
         owner = self._owner()
         while True:
             batch = self._inbox.take(owner.poll_period(), _MAX_COMMANDS_PER_TURN)
+            idle = not batch
             running = owner.run_batch(batch, _STOP)
+            owner.flush_releases(idle)
             owner.poll()
             if not running:
                 return
