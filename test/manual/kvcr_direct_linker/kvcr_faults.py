@@ -141,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     injection: dict[str, Any] = {"skipped": "injection" in skip}
     if "injection" not in skip:
-        injection = phase("injection", lambda: run_part("injection", work / "injection"))
+        injection = phase(
+            "injection", lambda: run_part("injection", work / "injection")
+        )
         print(
             f"[faults]   injection tests: {json.dumps(injection['tests'])}", flush=True
         )
@@ -151,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[faults]   interop checks: {json.dumps(interop['checks'])}", flush=True)
     multihost: dict[str, Any] = {"skipped": "multihost" in skip}
     if "multihost" not in skip:
-        multihost = phase("multihost", lambda: run_part("multihost", work / "multihost"))
+        multihost = phase(
+            "multihost", lambda: run_part("multihost", work / "multihost")
+        )
         print(
             f"[faults]   multihost tests: {json.dumps(multihost['tests'])}", flush=True
         )

@@ -104,6 +104,6 @@ def _call_blocking_on(gate: threading.Event):
     """An owner-thread command that holds the thread until ``gate`` is set."""
     from concurrent.futures import Future
 
-    from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_executor import Call
+    from sglang.srt.mem_cache.storage.kvcr.owner.owner_inbox import Call
 
     return Call(lambda kv: gate.wait(10), Future())

@@ -53,16 +53,16 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     Release,
     completed_as,
 )
-from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_executor import (
-    Call,
-    CommandExecutor,
-    CommandGate,
-    OwnerInbox,
-    answer_unrun,
-)
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_executor import CommandExecutor
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_factory import (
     BuiltKVCR,
     startup_remedy,
+)
+from sglang.srt.mem_cache.storage.kvcr.owner.owner_inbox import (
+    Call,
+    CommandGate,
+    OwnerInbox,
+    answer_unrun,
 )
 from sglang.srt.mem_cache.storage.kvcr.owner.quarantine import RetainedCore
 
