@@ -26,6 +26,7 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     OpDone,
     Release,
 )
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_executor import RELEASE_DEFER_S
 
 pytestmark = pytest.mark.kvcr
 
@@ -333,20 +334,26 @@ def _stalled(adapter: KVCRAdapter) -> threading.Event:
 
 def test_a_fetch_queued_behind_a_release_runs_first(buffers):
     """A preparation's fetch does not wait out the release of earlier claims
-    queued before it (kvcr's per-claim Python); the claims are still released
-    once the owner thread has nothing else to do."""
+    queued before it (kvcr's per-claim Python): it runs and is answered first;
+    the claims are still released within the deferral."""
     fw, store = buffers
     adapter = _make(fw, store, "adapter-defer")
     order: list[str] = []
     try:
         claims = _deposit_and_claim(adapter, "adapter-defer", range(3))
         kv = adapter.call(lambda kv: kv)
-        for name in ("fetch", "release"):
+        for name in ("fetch", "release", "poll_completed"):
             original = getattr(kv, name)
 
             def spy(*a, _orig=original, _name=name, **k):
-                order.append(_name)
-                return _orig(*a, **k)
+                out = _orig(*a, **k)
+                if _name == "fetch":  # outlasts the deferral: still answered first
+                    time.sleep(2 * RELEASE_DEFER_S)
+                if _name != "poll_completed":
+                    order.append(_name)
+                elif out:  # a completion handed back: the fetch is answered
+                    order.append("answered")
+                return out
 
             setattr(kv, name, spy)
         go = _stalled(adapter)
@@ -369,7 +376,7 @@ def test_a_fetch_queued_behind_a_release_runs_first(buffers):
             timeout=5,
             what="deferred claims released",
         )
-        assert order == ["fetch", "release"], order
+        assert order == ["fetch", "answered", "release"], order
         _release_all_after(adapter, [e.claim for e in entries.values()], len(claims))
     finally:
         adapter.close()
@@ -408,5 +415,28 @@ def test_a_deposit_behind_a_release_gets_the_released_slots(buffers):
         done = _wait_for(adapter, op)
         assert {e.status for e in done.entries.values()} == {EntryStatus.SUCCESS}
         assert adapter.stats().claims_released == SLOTS
+    finally:
+        adapter.close()
+
+
+def test_a_call_and_a_close_see_every_release_before_them(buffers):
+    """A call queued behind a release sees KVCR with the claims given back; a
+    release queued just before close is still made (and counted)."""
+    fw, store = buffers
+    adapter = _make(fw, store, "adapter-defer-call")
+    try:
+        claims = _deposit_and_claim(adapter, "adapter-defer-call", range(4))
+        assert adapter.claims_outstanding() == 4
+        adapter.submit(Release(tuple(claims[:2])))
+        assert adapter.claims_outstanding() == 2  # no wait: the call flushed them
+        go = _stalled(adapter)
+        adapter.submit(Release(tuple(claims[2:])))
+        closer = threading.Thread(target=adapter.close, daemon=True)
+        closer.start()
+        wait_until(lambda: adapter._inbox.sealed or adapter._inbox.queued() >= 2, 5)
+        go.set()
+        closer.join(10)
+        assert not closer.is_alive()
+        assert adapter.stats().claims_released == 4
     finally:
         adapter.close()

@@ -335,8 +335,10 @@ class KVCRAdapter:
             batch = self._inbox.take(owner.poll_period(), _MAX_COMMANDS_PER_TURN)
             idle = not batch
             running = owner.run_batch(batch, _STOP)
-            owner.flush_releases(idle)
+            # Results first (a local-hit fetch this batch ran is answered before
+            # the deferred releases run); stopping releases everything.
             owner.poll()
+            owner.flush_releases(idle or not running)
             if not running:
                 return
 

@@ -9,8 +9,9 @@ each was charged to, and on every poll hands completed operations back as
 often the owner loop polls: fast while a fetch (someone waits on it), slower while
 only deposits run, idle otherwise. Claims given back (``Release``) wait up to
 ``RELEASE_DEFER_S`` so that a fetch arriving meanwhile (a preparation the
-scheduler waits on) runs first; they are released before any deposit, hinted
-fetch or call, and as soon as the inbox stays empty.
+scheduler waits on) runs and is answered first; they are released when that
+window ends (the loop comes back for them), earlier before any deposit, hinted
+fetch or call, and when the owner thread stops.
 ``CommandExecutor.fail_inflight`` answers what KVCR will never complete. The
 inbox it takes commands from is ``owner_inbox``; ``KVCRAdapter`` owns the
 lifecycle and the scheduler-side API around it.
@@ -131,8 +132,9 @@ class CommandExecutor:
         return period
 
     def flush_releases(self, idle: bool = True) -> None:
-        """Release the deferred claims: at once when ``idle`` (or before work
-        that may need their slots), else only once the oldest waited
+        """Release the deferred claims: at once when ``idle`` (the inbox gave
+        nothing for the rest of the window, the thread stops, or work that may
+        need their slots is next), else only once the oldest waited
         ``RELEASE_DEFER_S``."""
         if not self._releases:
             return
