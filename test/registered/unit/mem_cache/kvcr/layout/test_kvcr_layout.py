@@ -273,6 +273,33 @@ def test_parse_key_rejects_foreign_and_malformed_keys(key: str):
         layout.parse_key(key.format(digest=layout.compatibility_digest))
 
 
+def test_parse_block_key_matches_parse_key_and_refuses_foreign_keys():
+    """The remembered keys parse as parse_key does; foreign ones give None."""
+    layout = layout_of(mha(v_head_dim=4))
+    for i, pool in itertools.product(range(3), ("kv", "kv_1")):
+        key = layout.block_key(page_hash(i), pool)
+        assert layout.parse_block_key(key) == (page_hash(i), pool)
+        fresh = layout_of(mha(v_head_dim=4))  # nothing remembered: parsed
+        assert fresh.parse_block_key(key) == (page_hash(i), pool)
+    other = layout_of(mha())
+    assert other.parse_block_key(layout.block_key(page_hash(0), "kv")) is None
+    assert layout.parse_block_key(b"\xff#not-a-key") is None
+
+
+def test_the_key_memo_is_bounded_and_keys_stay_right_past_it(monkeypatch):
+    """A worker keys millions of pages over its life: the memo starts over at
+    KEY_MEMO entries, and keys made after that are still the right ones."""
+    from sglang.srt.mem_cache.storage.kvcr.layout import page_layout
+
+    monkeypatch.setattr(page_layout, "KEY_MEMO", 8)
+    layout = layout_of(mha())
+    for i in range(40):
+        key = layout.block_key(page_hash(i), "kv")
+        assert key == layout.make_key(page_hash(i), "kv").encode()
+        assert layout.parse_block_key(key) == (page_hash(i), "kv")
+        assert len(layout.key_memo) <= 8 and len(layout.parsed_memo) <= 8
+
+
 def test_make_key_refuses_unknown_pools_and_hashes_with_separators():
     """A key must be parseable again, so '#' in a hash or a foreign pool is refused."""
     layout = layout_of(mha())

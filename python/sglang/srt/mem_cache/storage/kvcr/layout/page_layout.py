@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 KEY_TAG = "kvcr-linker-v2"  # v2: a block is one slot holding every span
+KEY_MEMO = 1 << 15  # keys a layout remembers (both ways) before starting over
 _PAGE_HASH = re.compile(r"[0-9a-fA-F]{16}")
 NO_MATCH_HASH = -1  # KeyAdapter.decode result for foreign keys; router hashes are >= 0
 
@@ -90,6 +91,14 @@ class PageLayout:
     # Bytes of one page's object in each pool (every part), and across pools.
     object_bytes: dict[str, int] = field(init=False, compare=False, repr=False)
     page_total: int = field(init=False, compare=False, repr=False)
+    # Keys made lately, both ways (a request keys its pages several times):
+    # deterministic values, so a race between threads only loses an entry.
+    key_memo: dict[tuple[str, str], BlockKey] = field(
+        init=False, compare=False, repr=False
+    )
+    parsed_memo: dict[bytes, tuple[str, str]] = field(
+        init=False, compare=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         full = tuple(p for p in self.pools if not p.trailing)
@@ -107,6 +116,8 @@ class PageLayout:
         sizes = {p.name: p.block_bytes for p in self.pools}
         object.__setattr__(self, "object_bytes", sizes)
         object.__setattr__(self, "page_total", sum(sizes.values()))
+        object.__setattr__(self, "key_memo", {})
+        object.__setattr__(self, "parsed_memo", {})
 
     @classmethod
     def from_kv_pool(
@@ -210,7 +221,26 @@ class PageLayout:
         return page_hash, digest, pool
 
     def block_key(self, page_hash: str, pool: str) -> BlockKey:
-        return cast("BlockKey", self.make_key(page_hash, pool).encode())
+        key = self.key_memo.get((page_hash, pool))
+        if key is None:
+            key = cast("BlockKey", self.make_key(page_hash, pool).encode())
+            if len(self.key_memo) >= KEY_MEMO:
+                self.key_memo.clear()
+                self.parsed_memo.clear()
+            self.key_memo[page_hash, pool] = key
+            self.parsed_memo[key] = (page_hash, pool)
+        return key
+
+    def parse_block_key(self, key: bytes) -> tuple[str, str] | None:
+        """(page hash, pool) of one of this layout's keys; None for any other."""
+        parsed = self.parsed_memo.get(key)
+        if parsed is not None:
+            return parsed
+        try:
+            page_hash, _, pool = self.parse_key(key.decode())
+        except (ValueError, UnicodeDecodeError):
+            return None
+        return page_hash, pool
 
     def kvcr_pool_layouts(self) -> list[tuple[str, int]]:
         return [(p.name, p.block_bytes) for p in self.pools]

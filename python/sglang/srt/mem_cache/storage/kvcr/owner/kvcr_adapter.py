@@ -335,8 +335,7 @@ class KVCRAdapter:
             batch = self._inbox.take(owner.poll_period(), _MAX_COMMANDS_PER_TURN)
             idle = not batch
             running = owner.run_batch(batch, _STOP)
-            # Results first (a local-hit fetch this batch ran is answered before
-            # the deferred releases run); stopping releases everything.
+            # A fetch is answered before deferred releases run (all when stopping).
             owner.poll()
             owner.flush_releases(idle or not running)
             if not running:

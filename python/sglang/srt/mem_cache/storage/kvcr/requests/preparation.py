@@ -215,23 +215,23 @@ class Preparations:
             late = [e.claim for e in done.entries.values() if e.claim is not None]
         else:
             prep.pending_ops.discard(done.op_id)
+            nbytes = owner_page_bytes(owner)
             for key, entry in done.entries.items():
+                if (claim := entry.claim) is None:
+                    continue
                 parsed = parse_key(key)
                 index = None if parsed is None else prep.index_of(parsed[0])
                 if (
                     entry.status is not EntryStatus.SUCCESS
                     or parsed is None
                     or index is None
-                    or entry.claim is None
                     or owner is None
                     or len(slots := entry.slots or ()) != 1  # a block is one slot
                 ):
-                    if entry.claim is not None:
-                        late.append(entry.claim)
+                    late.append(claim)
                     continue
                 rows = block_part_rows(int(slots[0].element_index), owner.parts)
-                page = ClaimedPage(entry.claim, rows, owner_page_bytes(owner))
-                prep.landed.add(index, parsed[1], page)
+                prep.landed.add(index, parsed[1], ClaimedPage(claim, rows, nbytes))
             if logger.isEnabledFor(logging.DEBUG):
                 statuses = collections.Counter(
                     e.status.name for e in done.entries.values()

@@ -45,11 +45,7 @@ class Residency:
 
     def parse_key(self, key: bytes) -> tuple[str, str] | None:
         """(page hash, pool) of one of our keys; None for anything else."""
-        try:
-            page_hash, _, pool = self.layout.parse_key(key.decode())
-        except (ValueError, UnicodeDecodeError):
-            return None
-        return page_hash, pool
+        return self.layout.parse_block_key(key)
 
     def holds(self, page_hash: str, pools: tuple[Any, ...]) -> bool:
         """Whether every pool of ``pools`` holds ``page_hash``'s object."""
