@@ -139,26 +139,20 @@ def main(argv: list[str] | None = None) -> int:
             ),
             flush=True,
         )
-    injection: dict[str, Any] = {"skipped": "injection" in skip}
-    if "injection" not in skip:
-        injection = phase(
-            "injection", lambda: run_part("injection", work / "injection")
-        )
-        print(
-            f"[faults]   injection tests: {json.dumps(injection['tests'])}", flush=True
-        )
+
+    def pytest_part(name: str) -> dict[str, Any]:
+        if name in skip:
+            return {"skipped": True}
+        out = phase(name, lambda: run_part(name, work / name))
+        print(f"[faults]   {name} tests: {json.dumps(out['tests'])}", flush=True)
+        return out
+
+    injection = pytest_part("injection")
     interop: dict[str, Any] = {"skipped": "interop" in skip}
     if "interop" not in skip:
         interop = phase("interop", lambda: dynamo_interop.run(work / "interop"))
         print(f"[faults]   interop checks: {json.dumps(interop['checks'])}", flush=True)
-    multihost: dict[str, Any] = {"skipped": "multihost" in skip}
-    if "multihost" not in skip:
-        multihost = phase(
-            "multihost", lambda: run_part("multihost", work / "multihost")
-        )
-        print(
-            f"[faults]   multihost tests: {json.dumps(multihost['tests'])}", flush=True
-        )
+    multihost = pytest_part("multihost")
     wall = time.monotonic() - started
     fuzz_ok = "fuzz" in skip or (
         bool(fuzz)
