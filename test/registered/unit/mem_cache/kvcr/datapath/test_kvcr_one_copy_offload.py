@@ -307,7 +307,8 @@ def test_a_wedged_copier_fails_its_offloads_and_takes_the_linker_down(monkeypatc
     monkeypatch.setattr(dram_copy, "drain", stalled)
     pool = make_pool()
     fill_random(pool, [1, 2], seed=16)
-    lk = make_linker(pool)
+    # The close waits a quarter of this for the wedged copy (never ends).
+    lk = make_linker(pool, owner_wait_timeout_s=2.0)
     try:
         assert lk.offload(kv_transfer(hashes_for(1, "wedge"), [1])) is True
         wait_until(lambda: (lk.num_completed_offloads(), lk.copier.wedged)[1])
