@@ -147,6 +147,13 @@ class LogCapture(logging.Handler):
             target.removeHandler(self)
 
 
+def unresolved_operations(linker: Any) -> int:
+    """Operations ``linker``'s KVCR still owns (asked on its owner thread)."""
+    from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_patches
+
+    return int(linker._adapter.call(kvcr_patches.unresolved_operations))
+
+
 def retained_count() -> int:
     from sglang.srt.mem_cache.storage.kvcr.owner import quarantine
 

@@ -30,11 +30,16 @@ from kvcr_drivers.faults.common import (
     restore,
     retained_count,
     settle,
+    unresolved_operations,
 )
 from kvcr_drivers.faults.peers import (
     PeerChildren,
     scenario_unreachable_peer_close_retained,
 )
+
+# How long B2's operation to the dead peer may take to resolve through A2
+# (kvcr's abandon timeout, then a probe's round trip).
+PROBE_WAIT_S = 2 * BASE_CONFIG["abandon_timeout_ms"] / 1000.0
 
 
 def run_peer_scenarios(children: PeerChildren) -> list[Scenario]:
@@ -252,10 +257,22 @@ def _peer_sequence(
     with contextlib.suppress(AssertionError):
         wait_until(lambda: capture.count("state=quiesced") > 0, 5.0, "quiesced")
     restarted.details["quiesced_reports"] = capture.count("state=quiesced")
+    # B2's pull from the dead A resolves once a probe of it reaches A2; kvcr keeps
+    # it (and B2's DRAM) until then, and a probe sent while A was down can be
+    # lost. Wait for it, bounded; B2 must close cleanly unless it was still
+    # unresolved, and then be retained (DRAM quarantined), never closed as clean.
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: unresolved_operations(b2) == 0, PROBE_WAIT_S, "B2 op")
+    b2_open = unresolved_operations(b2)
+    restarted.details["b2_unresolved_ops_at_close"] = b2_open
     retained0 = retained_count()
-    h_killed.finish()  # B2 must close cleanly
-    b2_clean = retained_count() == retained0
-    restarted.check("B2 (its start_write was still queued) closes cleanly", b2_clean)
+    h_killed.finish(allow_retained=True)
+    b2_retained = retained_count() - retained0
+    restarted.details["b2_retained"] = b2_retained
+    killed.check(
+        "B2 closes cleanly unless its dead-peer op is unresolved (then retained)",
+        b2_retained == 0 or (b2_open > 0 and b2_retained == 1),
+    )
     restarted.check("A2 closes cleanly", children.restarted.close_linker() == 0)
     restarted.output_matches_control = ok_by["B"] and ok_by["B2"]
 

@@ -533,10 +533,15 @@ def test_scheduler_thread_never_reads_device_indices_on_the_host(path):
     """``load`` and ``offload`` run on the scheduler thread: on CUDA every host read
     of a device index tensor (``int()``, ``.tolist()``, ``.item()``) waits for the
     GPU. They must not read any (the pages stay on the device until a side
-    thread or a later pump needs them)."""
+    thread or a later pump needs them). A device pool always has a fence to wait
+    for (a CPU pool, with none, submits at once: its host reads cost nothing), so
+    the offload here carries one, complete already."""
     pool = make_pool("cpu")
     lk = make_linker(pool, offload_path=path)
     try:
+        fence = _Fence()
+        fence.done = True
+        lk.offloader._device = _FencedBinding(lk.offloader._device, fence)
         src, dest = [1, 2, 3, 4], [20, 22, 21, 23]
         fill_random(pool, src, seed=9)
         originals = [page_bytes(pool, p) for p in src]

@@ -117,6 +117,28 @@ def test_no_slot_is_ready_before_its_copy_landed(held_copy):
         lk.close()
 
 
+def test_an_offload_with_no_fence_is_deposited_without_waiting_for_a_step(
+    held_copy,
+):
+    """A CPU pool has no fence to wait for: ``offload`` submits the deposit
+    itself (its copy starts with no scheduler step, no ``num_completed_offloads``),
+    and the result still only arrives through a step."""
+    started, release = held_copy
+    pool = make_pool()
+    fill_random(pool, [1, 2], seed=13)
+    lk = make_linker(pool)
+    try:
+        assert lk.offload(kv_transfer(hashes_for(2, "at-once"), [1, 2])) is True
+        assert lk.offloader.queue.deferred_count == 0
+        assert started.wait(5), "the copy waited for a scheduler step"
+        release.set()
+        wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload result")
+        assert lk.pop_completed_offload() is True
+    finally:
+        release.set()
+        lk.close()
+
+
 def test_a_copy_not_started_by_its_deadline_fails_and_frees_its_slots(held_copy):
     """A copy still queued at its deadline is dropped unwritten (failed, slots
     freed); one already running is waited for and counts as it ends."""

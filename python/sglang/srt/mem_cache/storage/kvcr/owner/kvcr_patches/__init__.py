@@ -192,6 +192,13 @@ def public_claims(kv: Any) -> int:
     return len(kv._core._local_dram._public_claims)
 
 
+def unresolved_operations(kv: Any) -> int:
+    """Operations ``kv``'s progress thread still owns (a pull from a dead peer
+    stays one until a probe proves the peer will never write): a KVCR closed
+    with any cannot prove it quiescent."""
+    return len(kv._core._progress._in_flight_ops)
+
+
 _GUARDED: type | None = None
 _GUARDED_LOCK = threading.Lock()
 # kvcr's control messages carry keys, slot descriptors and, once per peer, NIXL
