@@ -33,20 +33,11 @@ from kvcr_drivers.faults.common import (
     ctx,
     settle,
 )
+from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import CpuRestorePlan
 
 
 class InjectedCopyFault(Exception):
     """The fault injected into one layer's restore copy."""
-
-
-class _FailingRows:
-    """Stands in for one layer's restore destination rows: any use raises."""
-
-    def __init__(self, layer: int) -> None:
-        self.layer = layer
-
-    def __getattr__(self, name: str) -> Any:
-        raise InjectedCopyFault(f"injected device copy fault on layer {self.layer}")
 
 
 def scenario_failed_device_copy_mid_layer(sc: Scenario) -> None:
@@ -64,9 +55,15 @@ def scenario_failed_device_copy_mid_layer(sc: Scenario) -> None:
     for buf in buffers(kvcache):
         buf.zero_()
     pool = linker.layout.pools[0]
-    # The CPU restore writes through these int64 row views of the pool buffers.
-    dests = linker.restorer.wide_dest[pool.name]
-    saved = {i: dests[i] for i in pool.layer_part_indices(1)}
+    layer1 = set(pool.layer_part_indices(1))
+    copy_chunk = CpuRestorePlan.copy_chunk
+
+    def failing_chunk(plan: CpuRestorePlan, chunk: int) -> int:
+        """The CPU restore's copy of a span range: raises, before writing, on
+        the range holding layer 1."""
+        if layer1 & set(range(plan.bounds[chunk], plan.bounds[chunk + 1])):
+            raise InjectedCopyFault("injected device copy fault on layer 1")
+        return copy_chunk(plan, chunk)
 
     def admit(rid: str) -> Any:
         req = stack.make_req(rid, [*prefix, 7, 8])
@@ -79,14 +76,12 @@ def scenario_failed_device_copy_mid_layer(sc: Scenario) -> None:
     sc.check("the prefix is an external hit", req.host_hit_length == len(prefix))
     stack.load_back(req)
     private = cache.linker.private_load_indices[req.rid].clone()
-    for i in saved:
-        dests[i] = _FailingRows(1)
+    CpuRestorePlan.copy_chunk = failing_chunk  # type: ignore[method-assign]
     try:
         sc.check("the load batch starts", cache.ready_to_load_host_cache() >= 0)
         failed = cache.finish_external_linker_loads([req])
     finally:
-        for i, rows in saved.items():
-            dests[i] = rows
+        CpuRestorePlan.copy_chunk = copy_chunk  # type: ignore[method-assign]
     reason = getattr(req.discard_output_reason, "message", None) or str(
         req.discard_output_reason
     )

@@ -10,6 +10,7 @@ is a failed offload with its slots freed, and a round trip is byte-exact.
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 
@@ -250,7 +251,9 @@ def test_pages_land_in_their_slots_whatever_the_order():
         pages = [rng.randrange(32) for _ in range(n)]
         refs = [SlotRef("kv", store.data_ptr(), slot_bytes, s) for s in slots]
         interesting += len(plan_runs(sorted(slots))) < len(slots)
-        scattered += len(plan_runs(sorted(slots))) > dram_copy.MAX_RUNS
+        ordered = sorted(slots)
+        breaks = sum(b != a + 1 for a, b in itertools.pairwise(ordered))
+        scattered += breaks >= 8  # many runs of consecutive slots: many ops
         copier = _copier({"kv": spans}, {"kv": store})
         try:
             job = copier.start(list(zip(pages, refs)), deadline=float("inf"))
@@ -272,7 +275,7 @@ def test_pages_land_in_their_slots_whatever_the_order():
         untouched = set(range(96)) - set(slots)
         assert all(int(view[s].count_nonzero()) == 0 for s in untouched)
     assert interesting >= 20  # most cases had multi-slot runs, not only singles
-    assert scattered >= 10  # and many took the gather-then-scatter path
+    assert scattered >= 10  # and many were split into many runs
 
 
 def test_plan_runs_splits_on_stride_changes():

@@ -13,6 +13,7 @@ from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import (
     plan_segments,
     wide_rows,
 )
+from sglang.srt.mem_cache.storage.kvcr.datapath.span_rows import span_rows
 
 
 def test_plan_segments_coalesces_object_major_slots() -> None:
@@ -57,13 +58,24 @@ def _reference(dst, dest_pages, src, slots, part):
     return out
 
 
-@pytest.mark.parametrize("row_bytes", [64, 36])  # 36: not viewable as int64 rows
+def _run_plan(dest_pages, slots, parts, store) -> int:
+    """Every chunk of a CPU restore plan of ``parts`` (separate span tensors);
+    returns how many chunks it took, after checking each reports its progress."""
+    plan = CpuRestorePlan(dest_pages, slots, span_rows(parts), store)
+    chunks = len(plan.bounds) - 1
+    for chunk in range(chunks):
+        assert plan.copy_chunk(chunk) == plan.bounds[chunk + 1]
+    assert plan.bounds[-1] == len(parts)
+    return chunks
+
+
+@pytest.mark.parametrize("row_bytes", [64, 36])  # 36: rows of 4-byte elements
 @pytest.mark.parametrize("source", ["object_major", "shuffled", "two_runs"])
 @pytest.mark.parametrize("dest", ["contiguous", "scattered"])
 def test_restore_plan_matches_row_copies(row_bytes, source, dest) -> None:
     rng = random.Random(f"{row_bytes}{source}{dest}")
     parts, pages, store_rows = 3, 30, 120
-    store = wide_rows(torch.randint(0, 256, (store_rows, row_bytes), dtype=torch.uint8))
+    store = torch.randint(0, 256, (store_rows, row_bytes), dtype=torch.uint8)
     slots, dest_pages = _layout(
         rng,
         source,
@@ -73,14 +85,22 @@ def test_restore_plan_matches_row_copies(row_bytes, source, dest) -> None:
         objects=store_rows // parts,
         dest_rows=80,
     )
-    plan = CpuRestorePlan(dest_pages, slots)
-    assert plan.fragmented == (source == "shuffled")
-    for part in range(parts):
-        dst = wide_rows(torch.randint(0, 256, (80, row_bytes), dtype=torch.uint8))
-        expected = _reference(dst, dest_pages, store, slots, part)
-        plan.copy_part(dst, store, part)
-        # Compared as bytes (random bytes viewed as complex include NaNs).
-        assert same_bytes(dst, expected)  # every page landed, no other row moved
+    dst = [torch.randint(0, 256, (80, row_bytes), dtype=torch.uint8) for _ in range(3)]
+    expected = [_reference(d, dest_pages, store, slots, i) for i, d in enumerate(dst)]
+    chunks = _run_plan(dest_pages, slots, dst, store)
+    # Many runs of source slots: one span range (fewer ops); few: several.
+    assert (chunks == 1) == (source == "shuffled")
+    for got, want in zip(dst, expected, strict=True):
+        assert same_bytes(got, want)  # every page landed, no other row moved
+
+
+def test_restore_plan_refuses_parts_that_are_not_one_slot() -> None:
+    parts = [torch.zeros(8, 16, dtype=torch.uint8) for _ in range(2)]
+    store = torch.zeros(16, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="one slot"):
+        CpuRestorePlan([1], [(0, 5)], span_rows(parts), store)
+    with pytest.raises(IndexError):
+        CpuRestorePlan([8], [(0, 1)], span_rows(parts), store)  # no page 8
 
 
 def test_wide_rows_keeps_bytes() -> None:
@@ -113,16 +133,15 @@ def test_nan_payloads_survive_the_restore_copy(source, dest) -> None:
     parts, pages = 2, 24
     store = torch.randint(-(1 << 62), 1 << 62, (parts * 40, 32), dtype=torch.int64)
     store[:, :10] = specials.repeat(2)  # every row carries the specials
-    store_rows = wide_rows(store.view(torch.uint8))
+    store_rows = store.view(torch.uint8)
     slots, dest_pages = _layout(
         rng, source, dest, parts=parts, pages=pages, objects=40, dest_rows=60
     )
-    plan = CpuRestorePlan(dest_pages, slots)
-    for part in range(parts):
-        dst = torch.zeros(60, 32, dtype=torch.int64)
-        expected = _reference(dst, dest_pages, store, slots, part)
-        plan.copy_part(wide_rows(dst.view(torch.uint8)), store_rows, part)
-        assert torch.equal(dst, expected)  # compared as integers: every bit
+    dst = [torch.zeros(60, 32, dtype=torch.int64) for _ in range(parts)]
+    expected = [_reference(d, dest_pages, store, slots, i) for i, d in enumerate(dst)]
+    _run_plan(dest_pages, slots, [d.view(torch.uint8) for d in dst], store_rows)
+    for got, want in zip(dst, expected, strict=True):
+        assert torch.equal(got, want)  # compared as integers: every bit
 
 
 @pytest.mark.parametrize("row_bytes", [64, 36])  # 36: byte rows, not words
@@ -207,3 +226,53 @@ def test_scratch_sized_for_the_largest_page_never_grows() -> None:
     scratch = span._scratch
     span.copy_pool(dsts, torch.tensor([5, 1, 6]), store, _spread_parts(parts, pages))
     assert span._scratch is scratch and span._retired == []
+
+
+def test_a_layer_completes_only_once_every_span_of_it_landed(monkeypatch) -> None:
+    """CPU restore through a linker: spans move in a few ranges, and each layer is
+    reported complete (to layer-wise loading) only after its K and V rows of
+    every page are in place, in layer order, every layer exactly once."""
+    from cpu_harness.kvcr_pages import (
+        PAGE,
+        fill_random,
+        hashes_for,
+        make_linker,
+        make_pool,
+        offload_and_commit,
+        prepare,
+        restore,
+    )
+
+    layers, src, dst = 8, [1, 2, 3], [20, 21, 22]
+    pool = make_pool(layers=layers)
+    fill_random(pool, src, seed=41)
+
+    def layer_rows(layer: int, pages: list[int]) -> list[torch.Tensor]:
+        return [
+            buf[p * PAGE : (p + 1) * PAGE].reshape(-1).view(torch.uint8).clone()
+            for buf in (pool.k_buffer[layer], pool.v_buffer[layer])
+            for p in pages
+        ]
+
+    want = [layer_rows(layer, src) for layer in range(layers)]
+    lk = make_linker(pool)
+    try:
+        hashes = hashes_for(3, "layer-order")
+        assert offload_and_commit(lk, hashes, src) is True
+        prepare(lk, "r", hashes)
+        seen: list[tuple[int, bool]] = []
+        real = lk.restorer.counter.complete
+
+        def complete(index, layer):
+            got = layer_rows(layer, dst)
+            seen.append(
+                (layer, all(torch.equal(a, b) for a, b in zip(got, want[layer])))
+            )
+            return real(index, layer)
+
+        monkeypatch.setattr(lk.restorer.counter, "complete", complete)
+        assert restore(lk, "r", hashes, dst) is True
+        assert [layer for layer, _ in seen] == list(range(layers))
+        assert all(landed for _, landed in seen), seen
+    finally:
+        lk.close()

@@ -4,9 +4,10 @@ A deposit (``kvcr_patches.page_fills``) reserves one KVCR slot per page through
 kvcr's fill path and hands the (source page, slot) pairs to this copier; the fill
 completes, READY or freed, only when a job says every byte landed or that none
 will be written any more. A slot holds every span of its page in span order. A
-copier thread runs the jobs in order. On CPU each span moves with one
-``index_select`` per arithmetic run of slots, written in place into the slots
-(16- or 8-byte elements): one pass over the bytes. On CUDA each run of
+copier thread runs the jobs in order. On CPU every span of a run of consecutive
+slots moves with one ``index_select`` over the pool's spans viewed as rows of
+one tensor (``span_rows``), written in place into the slots: one pass over the
+bytes, one parallel region per run. On CUDA each run of
 consecutive slots is assembled on the device in a bounded scratch buffer, laid
 out as the slots are, and moved with one asynchronous device-to-host copy into
 the page-locked slots, on the copier's own stream, which is drained before the
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import wide_rows
+from sglang.srt.mem_cache.storage.kvcr.datapath.span_rows import SpanRows, span_rows
 from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
     DeviceBinding,
     drain,
@@ -127,6 +128,7 @@ class PoolCopy:
     slots_view: torch.Tensor
     pages: list[int]
     slots: list[int]
+    rows: SpanRows | None = None  # the spans as one row view (CPU pools)
 
 
 class DramCopier:
@@ -149,6 +151,7 @@ class DramCopier:
         self._device = device
         self._jobs: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
         self._scratch: torch.Tensor | None = None
+        self._rows: dict[str, SpanRows] = {}  # CPU pools, built on first use
         self.copied_bytes = 0
         # A failed copy whose stream would not drain: the device is wedged, that
         # job stays RUNNING (its slots may still be written, never freed) and
@@ -248,12 +251,19 @@ class DramCopier:
             pairs.sort()
             if any(a[0] == b[0] for a, b in itertools.pairwise(pairs)):
                 raise CopyRefused(f"a slot of pool {pool!r} is named twice")
+            parts = self._sources[pool]
+            rows = None
+            if parts[0].device.type == "cpu":
+                rows = self._rows.get(pool)
+                if rows is None:
+                    rows = self._rows[pool] = span_rows(parts)
             out.append(
                 PoolCopy(
-                    self._sources[pool],
+                    parts,
                     views[pool],
                     [page for _, page in pairs],
                     [slot for slot, _ in pairs],
+                    rows,
                 )
             )
         return out
@@ -298,37 +308,24 @@ class DramCopier:
         group.slots_view[first : first + hi - lo].copy_(picked, non_blocking=True)
 
 
-MAX_RUNS = 8  # more runs of slots than this: gather, then scatter (CPU)
-
-
 def _copy_pages(group: PoolCopy) -> None:
-    """Host pages -> slots: per span, one ``index_select`` per arithmetic run of
-    slots, its output a strided view of the slots themselves (no intermediate
-    copy). Slots scattered into more than ``MAX_RUNS`` runs (a churned DRAM
-    frees them in eviction order) would cost a small copy per page and span:
-    each span's pages are then gathered with one ``index_select`` and scattered
-    into their slots with one ``index_copy_`` (as the restore does)."""
-    index = torch.tensor(group.pages, dtype=torch.long)
-    runs = plan_runs(group.slots)
-    scatter = torch.tensor(group.slots, dtype=torch.long)
-    fragmented = len(runs) > MAX_RUNS
-    store = group.slots_view
-    offset = 0
-    for rows in group.parts:
-        width = rows.shape[1]
-        src = wide_rows(rows)
-        dst = wide_rows(store[:, offset : offset + width])
-        if src.dtype != dst.dtype:  # different alignment: plain bytes on both sides
-            src, dst = rows, store[:, offset : offset + width]
-        offset += width
-        if fragmented:
-            dst.index_copy_(0, scatter, src.index_select(0, index))
-            continue
-        cols = dst.shape[1]
-        for a, b, stride in runs:
-            out = dst.as_strided(
-                (b - a, cols),
-                (stride * dst.stride(0), 1),
-                dst.storage_offset() + group.slots[a] * dst.stride(0),
-            )
-            torch.index_select(src, 0, index[a:b], out=out)
+    """Host pages -> slots: per run of consecutive slots, one ``index_select`` of
+    every span of its pages (``span_rows``) into the slots' rows themselves, no
+    intermediate copy. Scattered slots (a churned DRAM frees them in eviction
+    order) cost one op per slot, each still every span of a page."""
+    rows = group.rows
+    if rows is None or rows.spans * rows.width != group.slots_view.shape[1]:
+        raise CopyRefused("pool pages and KVCR slots do not match")
+    elem = rows.elem(group.slots_view)
+    src, dst = rows.rows(elem), rows.slot_rows(group.slots_view, elem)
+    index = rows.index(group.pages, elem).view(-1)
+    spans, slots = rows.spans, group.slots
+    a, n = 0, len(slots)
+    while a < n:
+        b = a + 1
+        while b < n and slots[b] == slots[b - 1] + 1:
+            b += 1
+        first = slots[a] * spans
+        out = dst[first : first + (b - a) * spans]
+        torch.index_select(src, 0, index[a * spans : b * spans], out=out)
+        a = b

@@ -28,8 +28,8 @@ from sglang.srt.mem_cache.storage.kvcr.datapath.device_pages import covers
 from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import (
     CpuRestorePlan,
     SpanRestore,
-    wide_rows,
 )
+from sglang.srt.mem_cache.storage.kvcr.datapath.span_rows import SpanRows, span_rows
 from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
     DeviceBinding,
     drain,
@@ -174,9 +174,7 @@ class Restorer:
         self.layout = layout  # the geometry only: restores never build keys
         self._dram = dram  # its storage is replaced when a flush reallocates
         self.dest_rows = dest_rows
-        self.wide_dest = {
-            n: [wide_rows(rows) for rows in parts] for n, parts in dest_rows.items()
-        }
+        self._span_rows: dict[str, SpanRows] = {}  # CPU pools, on first use
         self.counter = counter
         self.stats = stats
         self.span_restore = span_restore
@@ -378,25 +376,45 @@ class Restorer:
             for layer in range(self.layout.num_layers):
                 self.counter.complete(index, layer)
             return
-        plans = {name: CpuRestorePlan(d, s) for name, (d, s) in moves.items()}
-        stores = {
-            pool.name: wide_rows(
-                self._dram.storage[pool.name].view(-1, pool.page_bytes)
+        plans = {
+            name: CpuRestorePlan(
+                dest,
+                slots,
+                self._rows_of(name),
+                self._dram.storage[name],
             )
-            for pool in self.layout.pools
+            for name, (dest, slots) in moves.items()
         }
-        for layer in range(self.layout.num_layers):
-            for pool in self.layout.pools:
-                if pool.name not in moves:
-                    continue
-                for part in pool.layer_part_indices(layer):
-                    plans[pool.name].copy_part(
-                        *_same_width(
-                            self.wide_dest[pool.name][part], stores[pool.name]
-                        ),
-                        part,
-                    )
-            self.counter.complete(index, layer)
+        # Span ranges in rounds; a layer completes once every span of it is in
+        # place in every pool (in layer order, as layer-wise loading waits).
+        pools = {pool.name: pool for pool in self.layout.pools}
+        last = {
+            name: [
+                max(pools[name].layer_part_indices(layer), default=-1)
+                for layer in range(self.layout.num_layers)
+            ]
+            for name in plans
+        }
+        copied = dict.fromkeys(plans, 0)
+        done = 0
+        rounds = max((len(p.bounds) - 1 for p in plans.values()), default=0)
+        for chunk in range(rounds):
+            for name, plan in plans.items():
+                if chunk < len(plan.bounds) - 1:
+                    copied[name] = plan.copy_chunk(chunk)
+            while done < self.layout.num_layers and all(
+                last[name][done] < copied[name] for name in plans
+            ):
+                self.counter.complete(index, done)
+                done += 1
+        for layer in range(done, self.layout.num_layers):
+            self.counter.complete(index, layer)  # layers with no span moved
+
+    def _rows_of(self, name: str) -> SpanRows:
+        rows = self._span_rows.get(name)
+        if rows is None:
+            rows = self._span_rows[name] = span_rows(self.dest_rows[name])
+        return rows
 
 
 def _word_rows(
@@ -408,12 +426,3 @@ def _word_rows(
         return store.view(torch.int64), [rows.view(torch.int64) for rows in parts]
     except RuntimeError:  # row size or offset not a multiple of 8
         return store, list(parts)
-
-
-def _same_width(
-    dest: torch.Tensor, store: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device and store rows with one element type (bytes when widths differ)."""
-    if dest.dtype == store.dtype:
-        return dest, store
-    return dest.view(torch.uint8), store.view(torch.uint8)

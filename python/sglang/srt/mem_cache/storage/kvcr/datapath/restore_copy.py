@@ -1,14 +1,14 @@
 """Restore copies: claimed KVCR DRAM slot rows into a request's device page rows.
 
-A restore moves, for every layer, one row per (page, part) from KVCR-owned DRAM into
-the pool's per-layer buffer. Row-by-row ``copy_`` calls are single-threaded and pay
-Python overhead per row, so a batch is planned once: pages are grouped into runs
-whose source slots advance by one stride in every part (KVCR hands out an object's
-part slots together, so filled DRAM gives long runs), and each run of each part is
-one strided ``index_copy_`` on 16- or 8-byte elements, which torch spreads over its
-intra-op threads whatever the destination order. On CUDA (``SpanRestore``) each run
-moves from page-locked KVCR DRAM as one contiguous host-to-device copy and is
-scattered on the device.
+A restore moves, for every page, each of its spans (one row per part of its one
+KVCR slot) into the pool's per-layer buffers. A batch is planned once: pages are
+grouped into runs whose source slots advance by one stride (KVCR hands out slots
+in order, so filled DRAM gives long runs). On CPU (``CpuRestorePlan``) each run
+moves every span of its pages with one ``index_put_`` into the pool viewed as
+rows of one tensor (``span_rows``), on 16-byte elements where offsets allow,
+spread over torch's intra-op threads whatever the destination order. On CUDA
+(``SpanRestore``) each run moves from page-locked KVCR DRAM as one contiguous
+host-to-device copy and is scattered on the device.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from sglang.srt.mem_cache.storage.kvcr.datapath.span_rows import SpanRows
 from sglang.srt.mem_cache.storage.kvcr.device.device_streams import wait_event
 from sglang.srt.mem_cache.storage.kvcr.device.host_memory import HostMemory
 
@@ -71,51 +72,55 @@ def wide_rows(rows: torch.Tensor) -> torch.Tensor:
 
 
 class CpuRestorePlan:
-    """How one batch's pages move, computed once and replayed for every part.
+    """One batch's CPU restore of one pool, planned once: every page's slot rows
+    into its destination page rows.
 
-    Each source run becomes a strided view of KVCR DRAM and one ``index_copy_``
-    into the destination rows (on 16-byte elements it beat a strided ``copy_``
-    even into consecutive rows): one pass over the bytes, on torch's intra-op
-    threads. When the source is too fragmented for that (many short runs, as
-    after heavy churn), each part is gathered with one ``index_select`` and
-    scattered with one ``index_copy_`` instead of thousands of row copies.
+    The pool's spans are viewed as rows of one tensor (``span_rows``), so each run
+    of source slots moves with one ``index_put_`` of every span of its pages (one
+    pass over the bytes, one parallel region). The spans go in up to ``CHUNKS``
+    contiguous ranges (fewer when the source is split into many runs), so layers
+    can complete in a few steps for layer-wise loading. A page's parts must be
+    the adjacent rows of its one slot (``block_part_rows``); anything else is
+    refused before a byte moves.
     """
 
-    MAX_SEGMENTS = 8
+    CHUNKS = 4
+    MAX_OPS = 16  # fewer span ranges past this many runs x ranges
 
     def __init__(
         self,
         dest_pages: torch.Tensor | Sequence[int],
         src_slots: Sequence[tuple[int, ...]],
+        rows: SpanRows,
+        store: torch.Tensor,
     ):
-        self.dest = torch.as_tensor(dest_pages, dtype=torch.long)
-        segments = plan_segments(src_slots)
-        self.fragmented = len(segments) > self.MAX_SEGMENTS
-        self.segments = segments
-        self.src_slots = src_slots
-        self._gather: dict[int, torch.Tensor] = {}
+        spans = rows.spans
+        for parts in src_slots:
+            if len(parts) != spans or parts[-1] - parts[0] != spans - 1:
+                raise ValueError("a restored page's parts are not one slot's rows")
+        elem = rows.elem(store)
+        self.dst = rows.rows(elem)
+        self.src = rows.slot_rows(store, elem)
+        self.index = rows.index(dest_pages, elem)  # (pages, spans)
+        self.segments = plan_segments(src_slots)
+        chunks = max(
+            1, min(self.CHUNKS, spans, self.MAX_OPS // max(1, len(self.segments)))
+        )
+        self.bounds = [spans * i // chunks for i in range(chunks + 1)]
 
-    def copy_part(self, dst: torch.Tensor, src: torch.Tensor, part: int) -> None:
-        """``dst[dest[i]] = src[slot of page i, part]`` for every page; both are
-        2-D row tensors (destination page rows, KVCR DRAM slot rows)."""
-        if self.fragmented:
-            index = self._gather.get(part)
-            if index is None:
-                index = torch.tensor(
-                    [s[part] for s in self.src_slots], dtype=torch.long
-                )
-                self._gather[part] = index
-            dst.index_copy_(0, self.dest, src.index_select(0, index))
-            return
-        row = src.shape[1]
+    def copy_chunk(self, chunk: int) -> int:
+        """Copy span range ``chunk`` of every page; returns the spans copied so
+        far (spans ``[0, returned)`` are in place)."""
+        lo, hi = self.bounds[chunk], self.bounds[chunk + 1]
+        width = self.src.shape[1]
         for seg in self.segments:
-            n = seg.stop - seg.start
-            view = src.as_strided(
-                (n, row),
-                (seg.stride * src.stride(0), src.stride(1)),
-                src.storage_offset() + seg.first[part] * src.stride(0),
+            values = self.src.as_strided(
+                (seg.stop - seg.start, hi - lo, width),
+                (seg.stride * width, width, 1),
+                self.src.storage_offset() + (seg.first[0] + lo) * width,
             )
-            dst.index_copy_(0, self.dest[seg.start : seg.stop], view)
+            self.dst.index_put_((self.index[seg.start : seg.stop, lo:hi],), values)
+        return hi
 
 
 class SpanRestore:
