@@ -57,7 +57,7 @@ class SpanRows:
 
     def elem(self, store: torch.Tensor) -> int:
         """Element bytes both these rows and KVCR DRAM ``store`` allow."""
-        return element_bytes(self.unit, store.data_ptr(), store.storage_offset())
+        return element_bytes(self.unit, store.data_ptr(), int(store.storage_offset()))
 
     def rows(self, elem: int) -> torch.Tensor:
         """Overlapping rows of ``elem``-byte elements, one starting every
