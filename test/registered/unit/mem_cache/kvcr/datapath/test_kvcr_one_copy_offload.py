@@ -140,6 +140,69 @@ def test_an_offload_with_no_fence_is_deposited_without_waiting_for_a_step(
         lk.close()
 
 
+def test_a_deposit_larger_than_a_chunk_copies_while_it_reserves(monkeypatch):
+    """With chunks (a device copier's: ``DEVICE_CHUNKS``, set here on a CPU one)
+    a 20-page deposit reserves 8, then 12, each copy queued as soon as its slots
+    are reserved (before the next chunk is): each chunk is READY only once its
+    own copy landed, and a failed chunk fails only its own pages (the offload is
+    not stored)."""
+    from kvcr import local_dram
+
+    first, later = DramCopier.DEVICE_CHUNKS
+    pages = list(range(1, 21))
+    rest = len(pages) - first
+    assert 0 < rest <= later
+    order: list[str] = []
+    reserve = local_dram._LocalDram.reserve_fill
+    start, copy = DramCopier.start, DramCopier._copy
+
+    def reserving(self, keys, *args, **kwargs):
+        order.append(f"reserve {len(keys)}")
+        return reserve(self, keys, *args, **kwargs)
+
+    def starting(self, pairs, *args, **kwargs):
+        order.append(f"queue {len(pairs)}")
+        return start(self, pairs, *args, **kwargs)
+
+    def copying(self, job, stream):
+        if len(job.pairs) != first:
+            raise RuntimeError("second chunk's copy failed (injected)")
+        copy(self, job, stream)
+
+    monkeypatch.setattr(local_dram._LocalDram, "reserve_fill", reserving)
+    monkeypatch.setattr(DramCopier, "start", starting)
+    monkeypatch.setattr(DramCopier, "_copy", copying)
+    pool = make_pool()
+    fill_random(pool, pages, seed=18)
+    want = {p: page_bytes(pool, p).clone() for p in pages[:first]}
+    lk = make_linker(pool)
+    try:
+        assert lk.copier.chunks is None  # a CPU copier reserves a deposit at once
+        lk.copier.chunks = DramCopier.DEVICE_CHUNKS
+        hashes = hashes_for(len(pages), "chunks")
+        assert lk.offload(kv_transfer(hashes, pages)) is True
+        wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload result")
+        assert lk.pop_completed_offload() is False  # a chunk failed
+        assert order == [
+            f"reserve {first}",
+            f"queue {first}",
+            f"reserve {rest}",
+            f"queue {rest}",
+        ]
+        wait_until(lambda: _resident(lk) == first, what="first chunk resident")
+        # The first chunk's pages come back byte-exact; the failed ones miss.
+        prepare(lk, "c", hashes[:first])
+        dest = list(range(40, 40 + first))
+        assert restore(lk, "c", hashes[:first], dest) is True
+        assert all(
+            torch.equal(page_bytes(pool, d), want[p])
+            for d, p in zip(dest, pages, strict=False)
+        )
+        assert _resident(lk) == first
+    finally:
+        lk.close()
+
+
 def test_a_copy_not_started_by_its_deadline_fails_and_frees_its_slots(held_copy):
     """A copy still queued at its deadline is dropped unwritten (failed, slots
     freed); one already running is waited for and counts as it ends."""

@@ -139,6 +139,10 @@ class DramCopier:
     KVCR DRAM per pool (read at copy time)."""
 
     SCRATCH_BYTES = 32 << 20
+    # On a device the copy is DMA: a deposit's first 8 pages start moving while
+    # kvcr allocates the rest, 16 at a time (page_fills). On CPU the copy needs
+    # the cores kvcr's allocation runs on: one reservation (measured faster).
+    DEVICE_CHUNKS = (8, 16)
 
     def __init__(
         self,
@@ -152,6 +156,7 @@ class DramCopier:
         self._jobs: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
         self._scratch: torch.Tensor | None = None
         self._rows: dict[str, SpanRows] = {}  # CPU pools, built on first use
+        self.chunks = self.DEVICE_CHUNKS if device.is_cuda else None
         self.copied_bytes = 0
         # A failed copy whose stream would not drain: the device is wedged, that
         # job stays RUNNING (its slots may still be written, never freed) and

@@ -214,7 +214,7 @@ class CommandExecutor:
                     stopped = page_fills.abandon(self._kvcr, fill)
                 except Exception:  # KVCR is going away: its slots go with it
                     logger.exception("KVCR deposit could not be abandoned cleanly")
-                    stopped = fill.job is None or fill.job.poll() is not None
+                    stopped = all(job.poll() is not None for job in fill.jobs)
                 if stopped:
                     answer_unrun([command], self._results, self._uncharge, "")
                 else:
@@ -226,7 +226,7 @@ class CommandExecutor:
         # Answered now all the same: nothing waits on a closed KVCR's deposit.
         answer_unrun([c for _, c in left], self._results, self._uncharge, "")
         self.fills = []
-        return [fill.job for fill, _ in left]
+        return [job for fill, _ in left for job in fill.jobs]
 
     def fail_inflight(self) -> None:
         """KVCR is gone: every operation it still ran completes FAILED, with its

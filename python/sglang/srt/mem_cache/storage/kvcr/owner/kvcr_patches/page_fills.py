@@ -13,8 +13,13 @@ once it says every byte landed, or that none will be written any more,
 answered) or frees them, never READY with bytes that did not land. A copy not
 started by kvcr's operation deadline is dropped; one already running is waited
 for, so slots are never freed while written. A key already FILLING for another
-operation reports that fill's outcome. Every private name used lives here;
-``install`` refuses any kvcr but 0.1.1 or internals that differ.
+operation reports that fill's outcome. A copier that moves bytes without the
+host's cores (a device's DMA) asks for chunks (``PageCopier.chunks``): the
+deposit then reserves a first few pages, queues their copy, reserves the next
+chunk while it runs, and so on, each chunk completing as its own copy lands (on
+CPU the copy needs the cores kvcr's allocation runs on: one chunk measured
+faster). Every private name
+used lives here; ``install`` refuses any kvcr but 0.1.1 or internals that differ.
 """
 
 from __future__ import annotations
@@ -56,6 +61,10 @@ class CopyJob(Protocol):
 
 
 class PageCopier(Protocol):
+    # (first, later) pages per reservation when the copy should start while kvcr
+    # still allocates (it uses no host cores); None: reserve a deposit at once.
+    chunks: tuple[int, int] | None
+
     def start(
         self,
         pairs: list[tuple[int, SlotRef]],
@@ -68,19 +77,42 @@ class PageCopier(Protocol):
 
 
 @dataclasses.dataclass(slots=True, eq=False)
-class PageFill:
-    """One deposit on its way: the keys it reserved (and their slots), keys it
-    waits on (FILLING for another operation), and results known already."""
+class FillPart:
+    """One chunk of a deposit: the keys it reserved, their slots, its copy;
+    ``keys`` is emptied once kvcr was told the outcome."""
 
     keys: tuple[bytes, ...]
     slots: tuple[tuple[tuple[str, int], ...], ...]
+    nbytes: int
+    job: CopyJob | None = None
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class PageFill:
+    """One deposit on its way: its chunks, keys it waits on (FILLING for another
+    operation), and results known already."""
+
+    parts: list[FillPart]
     waiting: set[bytes]
     results: dict[bytes, EntryStatus]
     deadline: float
     started: Any  # kvcr's timer reading (its transfer telemetry)
-    nbytes: int
-    job: CopyJob | None = None
     cancelled: bool = False
+
+    @property
+    def jobs(self) -> list[CopyJob]:
+        return [part.job for part in self.parts if part.job is not None]
+
+
+def _chunks(keys: list[bytes], sizes: tuple[int, int] | None) -> list[list[bytes]]:
+    """``keys`` in chunks of ``sizes`` (first, then each later one), or whole."""
+    if sizes is None:
+        return [keys]
+    out, at, size = [], 0, max(1, sizes[0])
+    while at < len(keys):
+        out.append(keys[at : at + size])
+        at, size = at + size, max(1, sizes[1])
+    return out
 
 
 _LOCK = threading.Lock()
@@ -141,7 +173,7 @@ def begin(
     core = kv._core
     local = core._local_dram
     copier = _ATTACHED.get(core)
-    fill = PageFill((), (), set(), {}, core._operation_deadline(), core._timer(), 0)
+    fill = PageFill([], set(), {}, core._operation_deadline(), core._timer())
     if local is None or copier is None:
         fill.results = dict.fromkeys(blocks, EntryStatus.FAILED)
         return fill
@@ -159,57 +191,69 @@ def begin(
                 fill.waiting.add(key)
             else:
                 fill.results[key] = EntryStatus.FAILED
-        reserved: dict[bytes, Any] = {}
-        for label, keys in by_pool.items():
-            destinations, _pending = local.reserve_fill(
-                keys,
-                sources=dict.fromkeys(keys, CacheTier.FW_G2),
-                required_local=False,
-                deadline=fill.deadline,
-                layout=[label],
-            )
-            reserved.update(destinations)
-            for key in keys:
-                if key not in destinations:  # dropped, or no slot in time
-                    fill.results[key] = EntryStatus.FAILED
-                    core._prune_block_record(key)
+        pools = {name: (addr, size) for name, (addr, _, size) in local._pools.items()}
+    for label, keys in by_pool.items():
+        address, size = pools[label.partition(":")[0]]
+        for chunk in _chunks(keys, copier.chunks):
+            with core._state_lock:
+                destinations, _pending = local.reserve_fill(
+                    chunk,
+                    sources=dict.fromkeys(chunk, CacheTier.FW_G2),
+                    required_local=False,
+                    deadline=fill.deadline,
+                    layout=[label],
+                )
+                for key in chunk:
+                    if key not in destinations:  # dropped, or no slot in time
+                        fill.results[key] = EntryStatus.FAILED
+                        core._prune_block_record(key)
+                reserved = tuple(k for k in chunk if k in destinations)
+                slots = tuple(
+                    tuple(core._block_record(k).local_dram.slots) for k in reserved
+                )
+            if not reserved:
+                continue
+            part = FillPart(reserved, slots, size * len(reserved))
+            pairs = [
+                (blocks[key][1], SlotRef(label.partition(":")[0], address, size, slot))
+                for key, ((_, slot),) in zip(reserved, slots, strict=True)
+            ]
+            fill.parts.append(part)
+            # Queued now: the copy of this chunk runs while the next is reserved.
+            part.job = copier.start(pairs, fill.deadline, wake)
+    with core._state_lock:
         for key, status in fill.results.items():
             # A READY key this deposit's own reservations evicted is not stored.
             if status is EntryStatus.SUCCESS and not _is_ready(core, key):
                 fill.results[key] = EntryStatus.FAILED
                 core._prune_block_record(key)
-        filled = tuple(reserved)
-        slots = tuple(tuple(core._block_record(k).local_dram.slots) for k in filled)
-        pools = {name: (addr, size) for name, (addr, _, size) in local._pools.items()}
-    fill.keys, fill.slots = filled, slots
-    pairs = []
-    for key, key_slots in zip(filled, slots, strict=True):
-        ((label, slot),) = key_slots
-        pool = label.partition(":")[0]
-        address, size = pools[pool]
-        fill.nbytes += size
-        pairs.append((blocks[key][1], SlotRef(pool, address, size, slot)))
-    if pairs:
-        fill.job = copier.start(pairs, fill.deadline, wake)
     return fill
 
 
 def poll(kv: Any, fill: PageFill) -> dict[bytes, EntryStatus] | None:
-    """Owner thread: every key's result once the copy is over and the fills it
-    waits on resolved, else None. Its own slots are completed as soon as the copy
-    is over (READY when every byte landed). Past the deadline a copy not started
-    is dropped (failed); one already running is waited for and counts as it ends."""
+    """Owner thread: every key's result once every chunk's copy is over and the
+    fills it waits on resolved, else None. Each chunk's slots are completed as
+    soon as its copy is over (READY when every byte landed). Past the deadline a
+    copy not started is dropped (failed); one already running is waited for and
+    counts as it ends."""
     from kvcr.local_dram import _LocalDramState
 
     now = time.monotonic()
-    job = fill.job
-    if job is not None and not fill.cancelled and now >= fill.deadline:
-        fill.cancelled = job.cancel()  # True only if it never started
-    landed = True if job is None else job.poll()
+    if not fill.cancelled and now >= fill.deadline:
+        fill.cancelled = True
+        for job in fill.jobs:
+            job.cancel()  # dropped only if it never started
     core = kv._core
+    over = True
     with core._state_lock:
-        if landed is not None and fill.keys:
-            _complete(core, fill, bool(landed))
+        for part in fill.parts:
+            if not part.keys:
+                continue
+            landed = True if part.job is None else part.job.poll()
+            if landed is None:
+                over = False
+            else:
+                _complete(core, fill, part, bool(landed))
         for key in tuple(fill.waiting):
             record = core._block_record_map.get(key)
             residency = None if record is None else record.local_dram
@@ -220,32 +264,36 @@ def poll(kv: Any, fill: PageFill) -> dict[bytes, EntryStatus] | None:
                 continue
             fill.waiting.discard(key)
             fill.results[key] = _status(core, key)
-    if landed is None or fill.waiting:
+    if not over or fill.waiting:
         return None
     return fill.results
 
 
 def abandon(kv: Any, fill: PageFill) -> bool:
-    """Owner thread, at close: drop the copy if it has not started; whether no
-    byte of it can still be written (its slots are then freed)."""
-    if fill.job is not None:
-        fill.job.cancel()
-        if fill.job.poll() is None:
-            return False
-    if fill.keys:
-        core = kv._core
-        with core._state_lock:
-            _complete(core, fill, False)
-    return True
+    """Owner thread, at close: drop the copies not started; whether no byte of
+    any can still be written (the slots of every chunk whose copy is over are
+    freed; a running one's stay until it ends)."""
+    running = False
+    core = kv._core
+    for part in fill.parts:
+        if part.job is not None:
+            part.job.cancel()
+            if part.job.poll() is None:
+                running = True
+                continue
+        if part.keys:
+            with core._state_lock:
+                _complete(core, fill, part, False)
+    return not running
 
 
-def _complete(core: Any, fill: PageFill, success: bool) -> None:
-    """Apply the copy's outcome through kvcr (READY or freed) and record it."""
+def _complete(core: Any, fill: PageFill, part: FillPart, success: bool) -> None:
+    """Apply one chunk's copy outcome through kvcr (READY or freed), record it."""
     from kvcr.types import CacheTier
 
-    done, fill.keys = fill.keys, ()
-    core._local_dram._apply_fill_result(done, fill.slots, success, CacheTier.FW_G2)
-    core._record_transfer("local_fill", fill.started, success, len(done), fill.nbytes)
+    done, part.keys = part.keys, ()
+    core._local_dram._apply_fill_result(done, part.slots, success, CacheTier.FW_G2)
+    core._record_transfer("local_fill", fill.started, success, len(done), part.nbytes)
     for key in done:
         fill.results[key] = _status(core, key)
 
