@@ -203,6 +203,45 @@ def test_a_deposit_larger_than_a_chunk_copies_while_it_reserves(monkeypatch):
         lk.close()
 
 
+def test_a_deposit_failing_midway_keeps_its_running_copy_seen_at_close(
+    monkeypatch, held_copy
+):
+    """kvcr raises while a chunked deposit reserves its second chunk, with the
+    first chunk's copy already running: the owner thread fails, and its close
+    still sees that copy (waits for it, then calls the close unclean) instead of
+    calling KVCR quiescent while the copy writes its DRAM."""
+    from kvcr import local_dram
+
+    started, release = held_copy
+    calls: list[int] = []
+    reserve = local_dram._LocalDram.reserve_fill
+
+    def flaky(self, keys, *args, **kwargs):
+        calls.append(len(keys))
+        if len(calls) == 2:
+            raise RuntimeError("kvcr state broken (injected)")
+        return reserve(self, keys, *args, **kwargs)
+
+    monkeypatch.setattr(local_dram._LocalDram, "reserve_fill", flaky)
+    pages = list(range(1, 21))
+    pool = make_pool()
+    fill_random(pool, pages, seed=19)
+    lk = make_linker(pool, owner_wait_timeout_s=2.0)
+    try:
+        lk.copier.chunks = DramCopier.DEVICE_CHUNKS
+        assert lk.offload(kv_transfer(hashes_for(20, "midway"), pages)) is True
+        assert started.wait(5), "the first chunk's copy never started"
+        wait_until(lambda: not lk._adapter._thread.is_alive(), what="owner stop")
+        assert lk._adapter.failed
+        assert lk._adapter._clean_close is False  # the copy still writes
+        release.set()
+        wait_until(lambda: lk.num_completed_offloads() >= 1, what="failed result")
+        assert lk.pop_completed_offload() is False
+    finally:
+        release.set()
+        lk.close()
+
+
 def test_a_copy_not_started_by_its_deadline_fails_and_frees_its_slots(held_copy):
     """A copy still queued at its deadline is dropped unwritten (failed, slots
     freed); one already running is waited for and counts as it ends."""

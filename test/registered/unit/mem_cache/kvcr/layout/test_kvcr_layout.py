@@ -554,7 +554,8 @@ def test_real_kvcr_fills_and_claims_whole_pages_byte_exact(
             for h, page in zip(hashes, src, strict=True)
             for p in layout.pools
         }
-        fill = page_fills.begin(kv, blocks, lambda: None)
+        fill = page_fills.new_fill(kv)
+        page_fills.begin(kv, fill, blocks, lambda: None)
         end = time.monotonic() + 10
         while (results := page_fills.poll(kv, fill)) is None:
             assert time.monotonic() < end, "fill never completed"

@@ -41,9 +41,13 @@ def stand_in_fills(monkeypatch):
     kvcr's core, which a stand-in has not) and their copies never finish."""
     fills = kvcr_executor.page_fills
 
-    def begin(kv, blocks, wake):
-        return types.SimpleNamespace(handle=kv.deposit(blocks), waiting=set(), job=None)
+    def new_fill(kv):
+        return types.SimpleNamespace(handle=None, waiting=set(), jobs=[])
 
+    def begin(kv, fill, blocks, wake):
+        fill.handle = kv.deposit(blocks)
+
+    monkeypatch.setattr(fills, "new_fill", new_fill)
     monkeypatch.setattr(fills, "begin", begin)
     monkeypatch.setattr(fills, "poll", lambda kv, fill: None)
     monkeypatch.setattr(fills, "abandon", lambda kv, fill: True)

@@ -156,7 +156,8 @@ class DramCopier:
         self._jobs: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
         self._scratch: torch.Tensor | None = None
         self._rows: dict[str, SpanRows] = {}  # CPU pools, built on first use
-        self.chunks = self.DEVICE_CHUNKS if device.is_cuda else None
+        on_device = any(p.is_cuda for parts in sources.values() for p in parts)
+        self.chunks = self.DEVICE_CHUNKS if on_device else None  # staging: host
         self.copied_bytes = 0
         # A failed copy whose stream would not drain: the device is wedged, that
         # job stays RUNNING (its slots may still be written, never freed) and

@@ -6,7 +6,7 @@ are equally wide (``PoolLayout``), so the slots of a run are consecutive rows of
 that width in KVCR DRAM. The pool's span buffers are separate allocations:
 ``SpanRows`` views the address range from the lowest to the end of the highest as
 overlapping rows, one starting every ``unit`` bytes (the largest power of two up
-to 16 dividing every buffer's offset, page stride and width), and only ever reads
+to 16 dividing every buffer's address, page stride and width), and only ever reads
 or writes the rows of pages inside a span, whose numbers ``index`` computes. The
 view owns nothing: it keeps the span tensors alive. Why: each indexed torch op on
 CPU is one OpenMP parallel region, and once a second thread runs its own team
@@ -102,6 +102,7 @@ def span_rows(parts: Sequence[torch.Tensor]) -> SpanRows:
     high = max(p.data_ptr() + (p.shape[0] - 1) * p.stride(0) + width for p in parts)
     unit = element_bytes(
         width,
+        low,
         *(p.data_ptr() - low for p in parts),
         *(p.stride(0) for p in parts if p.shape[0] > 1),
     )

@@ -79,6 +79,7 @@ class CommandExecutor:
         "_wake",
         "fills",
         "inflight",
+        "orphan_jobs",
     )
 
     def __init__(
@@ -103,6 +104,8 @@ class CommandExecutor:
         self.inflight: dict[int, Deposit | Fetch] = {}
         # Deposits being copied into their slots (page_fills), in order.
         self.fills: list[tuple[page_fills.PageFill, Deposit]] = []
+        # Copies of a deposit whose begin raised (answered with the batch).
+        self.orphan_jobs: list[Any] = []
         self._peer_checks = (0, 0)  # (dropped notices, unresolved fill bytes)
         # Claims whose Release is deferred (RELEASE_DEFER_S), and since when.
         self._releases: list[ClaimId] = []
@@ -171,7 +174,14 @@ class CommandExecutor:
     def _execute(self, command: object) -> None:
         kv = self._kvcr
         if isinstance(command, Deposit):
-            fill = page_fills.begin(kv, command.blocks, self._wake)
+            fill = page_fills.new_fill(kv)
+            try:
+                page_fills.begin(kv, fill, command.blocks, self._wake)
+            except BaseException:
+                # The owner thread fails and the batch answers the deposit; a
+                # chunk's copy already queued must still be waited for at close.
+                self.orphan_jobs.extend(fill.jobs)
+                raise
             self.fills.append((fill, command))
             self._count("deposits", 1)
         elif isinstance(command, Fetch):
@@ -207,6 +217,8 @@ class CommandExecutor:
         running ones, and answer every deposit FAILED; the copy jobs that still
         write (their DRAM must stay quarantined until they stop)."""
         deadline = time.monotonic() + timeout_s
+        for job in self.orphan_jobs:
+            job.cancel()  # not started: never writes
         while True:
             left = []
             for fill, command in self.fills:
@@ -220,13 +232,14 @@ class CommandExecutor:
                 else:
                     left.append((fill, command))
             self.fills = left
-            if not left or time.monotonic() >= deadline:
+            orphans = [job for job in self.orphan_jobs if job.poll() is None]
+            if (not left and not orphans) or time.monotonic() >= deadline:
                 break
             time.sleep(0.005)
         # Answered now all the same: nothing waits on a closed KVCR's deposit.
         answer_unrun([c for _, c in left], self._results, self._uncharge, "")
         self.fills = []
-        return [job for fill, _ in left for job in fill.jobs]
+        return [job for fill, _ in left for job in fill.jobs] + self.orphan_jobs
 
     def fail_inflight(self) -> None:
         """KVCR is gone: every operation it still ran completes FAILED, with its

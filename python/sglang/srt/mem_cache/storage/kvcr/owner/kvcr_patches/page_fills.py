@@ -161,22 +161,32 @@ def attach(kv: Any, copier: PageCopier) -> None:
     _ATTACHED[kv._core] = copier
 
 
+def new_fill(kv: Any) -> PageFill:
+    """An empty deposit with kvcr's operation deadline (owner thread); ``begin``
+    fills it. The caller keeps it before ``begin`` runs, so a chunk's copy queued
+    before ``begin`` raised is still seen (and waited for) at close."""
+    core = kv._core
+    return PageFill([], set(), {}, core._operation_deadline(), core._timer())
+
+
 def begin(
-    kv: Any, blocks: Mapping[bytes, tuple[str, int]], wake: Callable[[], object]
-) -> PageFill:
+    kv: Any,
+    fill: PageFill,
+    blocks: Mapping[bytes, tuple[str, int]],
+    wake: Callable[[], object],
+) -> None:
     """Owner thread: reserve the slots of ``blocks`` (key -> (its block label
-    ``pool:page``, source page)) and start their copy; ``wake`` runs when the
-    copy is done."""
+    ``pool:page``, source page)) into ``fill`` and start their copy; ``wake``
+    runs when a copy is done."""
     from kvcr.local_dram import _LocalDramState
     from kvcr.types import CacheTier
 
     core = kv._core
     local = core._local_dram
     copier = _ATTACHED.get(core)
-    fill = PageFill([], set(), {}, core._operation_deadline(), core._timer())
     if local is None or copier is None:
         fill.results = dict.fromkeys(blocks, EntryStatus.FAILED)
-        return fill
+        return
     by_pool: dict[str, list[bytes]] = {}
     with core._state_lock:
         for key, (label, _) in blocks.items():
@@ -218,16 +228,18 @@ def begin(
                 (blocks[key][1], SlotRef(label.partition(":")[0], address, size, slot))
                 for key, ((_, slot),) in zip(reserved, slots, strict=True)
             ]
-            fill.parts.append(part)
             # Queued now: the copy of this chunk runs while the next is reserved.
-            part.job = copier.start(pairs, fill.deadline, wake)
+            # A chunk without a job (start raised) completes failed.
+            try:
+                part.job = copier.start(pairs, fill.deadline, wake)
+            finally:
+                fill.parts.append(part)
     with core._state_lock:
         for key, status in fill.results.items():
             # A READY key this deposit's own reservations evicted is not stored.
             if status is EntryStatus.SUCCESS and not _is_ready(core, key):
                 fill.results[key] = EntryStatus.FAILED
                 core._prune_block_record(key)
-    return fill
 
 
 def poll(kv: Any, fill: PageFill) -> dict[bytes, EntryStatus] | None:
@@ -249,7 +261,7 @@ def poll(kv: Any, fill: PageFill) -> dict[bytes, EntryStatus] | None:
         for part in fill.parts:
             if not part.keys:
                 continue
-            landed = True if part.job is None else part.job.poll()
+            landed = False if part.job is None else part.job.poll()
             if landed is None:
                 over = False
             else:
