@@ -219,6 +219,9 @@ def test_a_deposit_failing_midway_keeps_its_running_copy_seen_at_close(
     def flaky(self, keys, *args, **kwargs):
         calls.append(len(keys))
         if len(calls) == 2:
+            # Once the first chunk's copy runs (a copy not started would just be
+            # dropped at close, never writing).
+            assert started.wait(5), "the first chunk's copy never started"
             raise RuntimeError("kvcr state broken (injected)")
         return reserve(self, keys, *args, **kwargs)
 
@@ -231,6 +234,7 @@ def test_a_deposit_failing_midway_keeps_its_running_copy_seen_at_close(
         lk.copier.chunks = DramCopier.DEVICE_CHUNKS
         assert lk.offload(kv_transfer(hashes_for(20, "midway"), pages)) is True
         assert started.wait(5), "the first chunk's copy never started"
+        wait_until(lambda: len(calls) == 2, what="second reservation")
         wait_until(lambda: not lk._adapter._thread.is_alive(), what="owner stop")
         assert lk._adapter.failed
         assert lk._adapter._clean_close is False  # the copy still writes
