@@ -15,7 +15,6 @@ import datetime
 import multiprocessing
 import os
 import queue as queue_module
-import socket
 import sys
 import time
 import traceback
@@ -24,13 +23,9 @@ from typing import Any
 
 import pytest
 
+from cpu_harness.server import free_port
+
 EXIT_TIMEOUT_S = 20.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def init_gloo(rank: int, port: int, world: int, timeout_s: float) -> None:

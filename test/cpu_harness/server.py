@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -53,11 +54,32 @@ class ServerStartError(RuntimeError):
     """The server died or did not become healthy before its deadline."""
 
 
+# Ports handed out here lie below the kernel's ephemeral range (32768+ by
+# default): a port-0 bind there, and every outgoing connection of another server
+# (ZMQ, NIXL, HTTP clients), may take a port between our check and the server's
+# bind, as a fresh-clone run saw (control_port "Address already in use").
+_PORTS = random.Random()
+_LOW, _HIGH = 20000, 32000
+SPAN = 4  # a port and the next ones (control_port + attention rank) all free
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (bind to port 0, read it, close)."""
+    """A TCP port (and the ``SPAN - 1`` after it) free a moment ago, outside the
+    ephemeral range so no other socket is given it meanwhile."""
+    for _ in range(200):
+        port = _PORTS.randrange(_LOW, _HIGH - SPAN)
+        if all(_bindable(host, p) for p in range(port, port + SPAN)):
+            return port
+    raise RuntimeError(f"no free TCP port in [{_LOW}, {_HIGH}) on {host}")
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def cache_dir() -> Path:
