@@ -30,6 +30,7 @@ from sglang.srt.mem_cache.storage.kvcr.datapath.replica_broadcast import (
 )
 from sglang.srt.mem_cache.storage.kvcr.device.device_streams import DeviceBinding
 from sglang.srt.mem_cache.storage.kvcr.kvcr_direct_linker import KVCRDirectLinker
+from sglang.srt.mem_cache.storage.kvcr.owner.gil_share import share_gil
 from sglang.srt.mem_cache.storage.kvcr.replica_follower import ReplicaFollower
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,9 @@ def build_linker(
             forward_stream,
         )
         if not is_owner:
-            return ReplicaFollower(rank, replicas, config, forward_stream)
+            follower = ReplicaFollower(rank, replicas, config, forward_stream)
+            share_gil(config.gil_switch_interval_us)
+            return follower
         logger.info(
             "KVCR rank-replicated pools stored once: this rank (global %d) stores "
             "and restores them for its %d attention ranks",
@@ -88,4 +91,6 @@ def build_linker(
         replicas=replicas,
         forward_stream=forward_stream,
     )
-    return KVCRDirectLinker(setup)  # owns the resources from here on
+    linker = KVCRDirectLinker(setup)  # owns the resources from here on
+    share_gil(config.gil_switch_interval_us)  # once nothing can refuse any more
+    return linker

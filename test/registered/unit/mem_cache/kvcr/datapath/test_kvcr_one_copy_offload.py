@@ -410,6 +410,12 @@ def test_a_pair_the_copier_cannot_write_is_refused():
         twice = dram_copy.CopyJob([(0, ref), (1, ref)], float("inf"))
         with pytest.raises(CopyRefused, match="named twice"):
             copier._groups(twice)  # two pages into one slot: neither is written
+        # One job naming one pool at two places (checked once per pool, not per
+        # pair: the second place is refused, not taken for the first's).
+        elsewhere = SlotRef("kv", store.data_ptr() + 16, 16, 1)
+        split = dram_copy.CopyJob([(0, ref), (1, elsewhere)], float("inf"))
+        with pytest.raises(CopyRefused):
+            copier._groups(split)
     finally:
         assert copier.close(5)
 

@@ -197,6 +197,16 @@ class KVCRLinkerConfig:
             "operation_timeout_ms (kvcr stops serving peers after a longer gap)."
         ),
     )
+    gil_switch_interval_us: int = dataclasses.field(
+        default=500,
+        metadata=_doc(
+            "Longest the scheduler thread waits for the GIL behind the linker's "
+            "threads: the scheduler process's Python switch interval is lowered "
+            "to this (CPython's default is 5000 us; a kvcr reservation after a "
+            "prefill otherwise holds the response that long). Never raised; 0 "
+            "leaves it as it is."
+        ),
+    )
     offload_path: str = dataclasses.field(
         default="auto",
         metadata=_doc(
@@ -348,6 +358,15 @@ def _check(cfg: KVCRLinkerConfig) -> None:
         if not isinstance(getattr(cfg, flag), bool):
             raise config_error(flag, "must be true or false")
     require_int("progress_idle_ms", cfg.progress_idle_ms, minimum=0, maximum=1000)
+    require_int(
+        "gil_switch_interval_us", cfg.gil_switch_interval_us, minimum=0, maximum=100000
+    )
+    if 0 < cfg.gil_switch_interval_us < 50:
+        raise config_error(
+            "gil_switch_interval_us",
+            f"{cfg.gil_switch_interval_us} us would switch threads more often than "
+            "they run; use 0 (leave Python's) or at least 50",
+        )
     if cfg.progress_idle_ms * 4 > cfg.operation_timeout_ms:
         # kvcr turns this worker's source writes off when its progress loop
         # sleeps as long as an operation's timeout.

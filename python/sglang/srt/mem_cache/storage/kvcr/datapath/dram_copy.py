@@ -151,6 +151,13 @@ class DramCopier:
         device: DeviceBinding,
     ) -> None:
         self._sources = sources
+        # Per pool: (pages every span has, bytes of one page over all spans),
+        # computed once (a pool of many layers has many spans).
+        self._extent = {
+            name: (min(p.shape[0] for p in parts), sum(p.shape[1] for p in parts))
+            for name, parts in sources.items()
+            if parts
+        }
         self._storage = storage
         self._device = device
         self._jobs: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
@@ -235,21 +242,26 @@ class DramCopier:
         storage = self._storage()
         by_pool: dict[str, list[tuple[int, int]]] = {}
         views: dict[str, torch.Tensor] = {}
+        checked: dict[tuple[str, int, int], int] = {}  # per pool ref: its slots
         for page, ref in job.pairs:
-            parts = self._sources.get(ref.pool)
-            store = storage.get(ref.pool)
-            if store is None or store.data_ptr() != ref.address:
-                raise CopyRefused(f"KVCR DRAM of pool {ref.pool!r} was replaced")
-            if not parts or not 0 <= page < min(p.shape[0] for p in parts):
-                raise CopyRefused(f"no page {page} in pool {ref.pool!r}")
-            if sum(p.shape[1] for p in parts) != ref.slot_bytes:
-                raise CopyRefused(f"{ref.pool!r} pages are not {ref.slot_bytes} bytes")
-            if ref.pool not in views:
+            slots = checked.get((ref.pool, ref.address, ref.slot_bytes))
+            if slots is None:
+                store = storage.get(ref.pool)
+                if store is None or store.data_ptr() != ref.address:
+                    raise CopyRefused(f"KVCR DRAM of pool {ref.pool!r} was replaced")
+                extent = self._extent.get(ref.pool)
+                if extent is None or extent[1] != ref.slot_bytes:
+                    raise CopyRefused(
+                        f"{ref.pool!r} pages are not {ref.slot_bytes} bytes"
+                    )
                 count = store.numel() * store.element_size() // ref.slot_bytes
                 views[ref.pool] = store.view(torch.uint8)[
                     : count * ref.slot_bytes
                 ].view(count, ref.slot_bytes)
-            if not 0 <= ref.slot < views[ref.pool].shape[0]:
+                slots = checked[ref.pool, ref.address, ref.slot_bytes] = count
+            if not 0 <= page < self._extent[ref.pool][0]:
+                raise CopyRefused(f"no page {page} in pool {ref.pool!r}")
+            if not 0 <= ref.slot < slots:
                 raise CopyRefused(f"slot {ref.slot} is outside pool {ref.pool!r}")
             by_pool.setdefault(ref.pool, []).append((ref.slot, page))
         out = []
