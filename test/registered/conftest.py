@@ -38,7 +38,7 @@ import time  # noqa: E402
 import pytest  # noqa: E402
 
 # Markers whose tests run only when ``-m`` names them (their own make targets).
-OPT_IN = ("install", "interop", "netns", "server_faults")
+OPT_IN = ("install", "interop", "netns", "server_faults", "scenario")
 
 
 def pytest_collection_modifyitems(config, items):

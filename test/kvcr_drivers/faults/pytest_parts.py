@@ -9,6 +9,8 @@ the part passes only when every expected test ran and passed).
 - ``injection`` (``-m server_faults``, ``test_kvcr_fault_injection_e2e.py``): one
   CPU linker server with faults injected into KVCR and the linker's side threads;
   serving goes on and every answer equals the recompute.
+- ``validate`` (``-m scenario``, ``test_kvcr_e2e.py``): the validation driver's
+  local round trip and hinted peer reuse, outputs equal to a no-linker server.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ TESTS = REPO / "test/registered/unit/mem_cache/kvcr"
 PARTS = {
     "multihost": ("netns", "fleet/test_kvcr_multihost.py", 5),
     "injection": ("server_faults", "e2e/test_kvcr_fault_injection_e2e.py", 5),
+    "validate": ("scenario", "e2e/test_kvcr_e2e.py", 1),
 }
 TIMEOUT_S = 1800
 INTERRUPT_GRACE_S = 180

@@ -31,9 +31,13 @@ device-copy fault.
    (an owner-thread exception, kvcr's progress thread dying, a failed restore
    copy, a close stuck during ``/flush_cache``, the loader dying); each answer
    equals the recompute and the linker comes back (``pytest_parts``).
+8. Validate: ``e2e/test_kvcr_e2e.py`` (``-m scenario``): the validation driver's
+   local round trip, hinted peer reuse and no-hint control against a no-linker
+   server, in one run (make test covers each piece in its own smaller server
+   test; this whole scenario takes two minutes on 2 cores).
 
 Writes a JSON report (top-level ``scenarios``, ``soak``, ``fuzz``, ``injection``,
-``multihost``);
+``multihost``, ``validate``);
 the last line printed is ``REPORT <path>``. Exits non-zero when anything failed.
 """
 
@@ -60,7 +64,16 @@ from kvcr_drivers.faults.suite import run_fast_scenarios
 from kvcr_drivers.faults.tp2 import run_tp2, run_tp2_mla
 from kvcr_drivers.interop import dynamo_interop
 
-PARTS = ("scenarios", "soak", "fuzz", "tp2", "injection", "interop", "multihost")
+PARTS = (
+    "scenarios",
+    "soak",
+    "fuzz",
+    "tp2",
+    "injection",
+    "interop",
+    "multihost",
+    "validate",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -153,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         interop = phase("interop", lambda: dynamo_interop.run(work / "interop"))
         print(f"[faults]   interop checks: {json.dumps(interop['checks'])}", flush=True)
     multihost = pytest_part("multihost")
+    validate = pytest_part("validate")
     wall = time.monotonic() - started
     fuzz_ok = "fuzz" in skip or (
         bool(fuzz)
@@ -168,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         and ("injection" in skip or injection["passed"])
         and ("interop" in skip or interop["passed"])
         and ("multihost" in skip or multihost["passed"])
+        and ("validate" in skip or validate["passed"])
     )
     body = {
         "passed": ok,
@@ -178,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "injection": injection,
         "interop": interop,
         "multihost": multihost,
+        "validate": validate,
         "timings_s": {**timings, "total": round(wall, 1)},
         "config": dict(vars(args)),
         "env": {

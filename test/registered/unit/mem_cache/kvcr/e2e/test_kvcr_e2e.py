@@ -1,4 +1,10 @@
-"""End to end on CPU servers: local round trip and hinted peer reuse (the demo driver)."""
+"""End to end on CPU servers: local round trip and hinted peer reuse (the demo driver).
+
+Opt-in (``-m scenario``, run by ``make faults``): two minutes of three server
+start-ups on 2 cores. ``make test`` covers the pieces in smaller server tests:
+the local replay in ``test_kvcr_server_smoke``, the hinted peer restore in
+``test_kvcr_digest_e2e``, ``test_kvcr_event_hints_e2e`` and
+``test_kvcr_kv_event_router``."""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ import pytest
 
 from cpu_harness.server import REPO
 
-pytestmark = [pytest.mark.server, pytest.mark.kvcr]
+pytestmark = [pytest.mark.server, pytest.mark.kvcr, pytest.mark.scenario]
 
 DRIVER = REPO / "test" / "manual" / "kvcr_direct_linker" / "kvcr_validate.py"
 
