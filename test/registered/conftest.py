@@ -86,3 +86,12 @@ def no_leaked_kvcr_threads(request):
         time.sleep(0.05)
         leaked = {t for t in leaked if t.is_alive()}
     assert not leaked, f"test left KVCR threads alive: {sorted(t.name for t in leaked)}"
+
+
+@pytest.fixture(autouse=True)
+def switch_interval_restored():
+    """A linker built in this process lowers its GIL switch interval
+    (``gil_switch_interval_us``); each test starts from the interval before it."""
+    before = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(before)

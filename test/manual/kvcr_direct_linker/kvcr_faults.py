@@ -33,8 +33,8 @@ device-copy fault.
    equals the recompute and the linker comes back (``pytest_parts``).
 8. Validate: ``e2e/test_kvcr_e2e.py`` (``-m scenario``): the validation driver's
    local round trip, hinted peer reuse and no-hint control against a no-linker
-   server, in one run (make test covers each piece in its own smaller server
-   test; this whole scenario takes two minutes on 2 cores).
+   server, in one run (make test covers most of it in smaller server tests,
+   without the no-linker comparison; this scenario takes two minutes on 2 cores).
 
 Writes a JSON report (top-level ``scenarios``, ``soak``, ``fuzz``, ``injection``,
 ``multihost``, ``validate``);

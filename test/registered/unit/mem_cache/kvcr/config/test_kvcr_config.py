@@ -349,9 +349,9 @@ def test_an_idle_progress_sleep_near_the_operation_timeout_is_refused():
 
 def test_gil_switch_interval_is_zero_or_a_sane_bound():
     assert KVCRLinkerConfig.from_dict(GOOD).gil_switch_interval_us == 500
-    for value in (0, 50, 100000):
+    for value in (0, 50, 5000):
         cfg = KVCRLinkerConfig.from_dict({**GOOD, "gil_switch_interval_us": value})
         assert cfg.gil_switch_interval_us == value
-    for bad in (-1, 1, 49, 100001, 0.5, True, "500"):
+    for bad in (-1, 1, 49, 5001, 0.5, True, "500"):
         with pytest.raises(KVCRConfigError, match="gil_switch_interval_us"):
             KVCRLinkerConfig.from_dict({**GOOD, "gil_switch_interval_us": bad})

@@ -414,8 +414,17 @@ def test_a_pair_the_copier_cannot_write_is_refused():
         # pair: the second place is refused, not taken for the first's).
         elsewhere = SlotRef("kv", store.data_ptr() + 16, 16, 1)
         split = dram_copy.CopyJob([(0, ref), (1, elsewhere)], float("inf"))
-        with pytest.raises(CopyRefused):
+        with pytest.raises(CopyRefused, match="was replaced"):
             copier._groups(split)
+        # A later pair of an already checked pool still has its page and its
+        # slot checked.
+        for later, why in (
+            ((7, SlotRef("kv", store.data_ptr(), 16, 4)), "no page 7"),
+            ((1, SlotRef("kv", store.data_ptr(), 16, 8)), "slot 8 is outside"),
+        ):
+            job = dram_copy.CopyJob([(0, ref), later], float("inf"))
+            with pytest.raises(CopyRefused, match=why):
+                copier._groups(job)
     finally:
         assert copier.close(5)
 

@@ -202,9 +202,9 @@ class KVCRLinkerConfig:
         metadata=_doc(
             "Longest the scheduler thread waits for the GIL behind the linker's "
             "threads: the scheduler process's Python switch interval is lowered "
-            "to this (CPython's default is 5000 us; a kvcr reservation after a "
-            "prefill otherwise holds the response that long). Never raised; 0 "
-            "leaves it as it is."
+            "to this (CPython's default is 5000 us, the largest value taken; a kvcr "
+            "reservation after a prefill otherwise holds the response that long). "
+            "Never raised; 0 leaves it as it is."
         ),
     )
     offload_path: str = dataclasses.field(
@@ -359,7 +359,7 @@ def _check(cfg: KVCRLinkerConfig) -> None:
             raise config_error(flag, "must be true or false")
     require_int("progress_idle_ms", cfg.progress_idle_ms, minimum=0, maximum=1000)
     require_int(
-        "gil_switch_interval_us", cfg.gil_switch_interval_us, minimum=0, maximum=100000
+        "gil_switch_interval_us", cfg.gil_switch_interval_us, minimum=0, maximum=5000
     )
     if 0 < cfg.gil_switch_interval_us < 50:
         raise config_error(

@@ -5,7 +5,8 @@ run Python next to the scheduler thread. A thread that wants the GIL waits up to
 CPython's switch interval (5 ms by default) before it may make the holder drop it,
 so a 2 ms kvcr slot reservation right after a prefill can hold a response that
 long. ``share_gil`` lowers the process's switch interval to the configured bound
-(``gil_switch_interval_us``), never raises one set lower, and says what it did.
+(``gil_switch_interval_us``), never raises one set lower, and logs when it
+lowers it.
 """
 
 from __future__ import annotations
