@@ -35,7 +35,6 @@ def test_zero_leaves_it(interval):
     assert sys.getswitchinterval() == pytest.approx(0.005)
 
 
-
 @pytest.mark.kvcr
 def test_a_built_linker_lowers_it_and_a_refused_build_does_not(interval):
     """Through ``build_linker``: untouched by a build its config refuses, lowered
