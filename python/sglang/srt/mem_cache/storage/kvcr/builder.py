@@ -44,8 +44,21 @@ def build_linker(
     extra_config: dict[str, Any] | None,
     forward_stream: Any = None,
 ) -> UnifiedCacheLinker:
-    """This rank's linker (see the module docstring)."""
+    """This rank's linker (see the module docstring); once it is built, the
+    process's GIL switch interval is lowered (``owner.gil_share``)."""
     config = KVCRLinkerConfig.from_dict(extra_config or {})  # every rank refuses alike
+    linker = _build(server_args, params, components, config, forward_stream)
+    share_gil(config.gil_switch_interval_us)  # once nothing can refuse any more
+    return linker
+
+
+def _build(
+    server_args: Any,
+    params: Any,
+    components: Any,
+    config: KVCRLinkerConfig,
+    forward_stream: Any,
+) -> UnifiedCacheLinker:
     rank = rank_setup.describe_rank(server_args, params, components)
     placement, layout = rank.placement, rank.layout
     page_size = int(params.page_size)
@@ -63,9 +76,7 @@ def build_linker(
             forward_stream,
         )
         if not is_owner:
-            follower = ReplicaFollower(rank, replicas, config, forward_stream)
-            share_gil(config.gil_switch_interval_us)
-            return follower
+            return ReplicaFollower(rank, replicas, config, forward_stream)
         logger.info(
             "KVCR rank-replicated pools stored once: this rank (global %d) stores "
             "and restores them for its %d attention ranks",
@@ -91,6 +102,4 @@ def build_linker(
         replicas=replicas,
         forward_stream=forward_stream,
     )
-    linker = KVCRDirectLinker(setup)  # owns the resources from here on
-    share_gil(config.gil_switch_interval_us)  # once nothing can refuse any more
-    return linker
+    return KVCRDirectLinker(setup)  # owns the resources from here on

@@ -242,10 +242,9 @@ class DramCopier:
         storage = self._storage()
         by_pool: dict[str, list[tuple[int, int]]] = {}
         views: dict[str, torch.Tensor] = {}
-        checked: dict[tuple[str, int, int], int] = {}  # per pool ref: its slots
+        checked: set[tuple[str, int, int]] = set()  # (pool, address, slot bytes)
         for page, ref in job.pairs:
-            slots = checked.get((ref.pool, ref.address, ref.slot_bytes))
-            if slots is None:
+            if (ref.pool, ref.address, ref.slot_bytes) not in checked:
                 store = storage.get(ref.pool)
                 if store is None or store.data_ptr() != ref.address:
                     raise CopyRefused(f"KVCR DRAM of pool {ref.pool!r} was replaced")
@@ -258,10 +257,10 @@ class DramCopier:
                 views[ref.pool] = store.view(torch.uint8)[
                     : count * ref.slot_bytes
                 ].view(count, ref.slot_bytes)
-                slots = checked[ref.pool, ref.address, ref.slot_bytes] = count
+                checked.add((ref.pool, ref.address, ref.slot_bytes))
             if not 0 <= page < self._extent[ref.pool][0]:
                 raise CopyRefused(f"no page {page} in pool {ref.pool!r}")
-            if not 0 <= ref.slot < slots:
+            if not 0 <= ref.slot < views[ref.pool].shape[0]:
                 raise CopyRefused(f"slot {ref.slot} is outside pool {ref.pool!r}")
             by_pool.setdefault(ref.pool, []).append((ref.slot, page))
         out = []
