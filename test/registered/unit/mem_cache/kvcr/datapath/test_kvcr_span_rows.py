@@ -95,3 +95,19 @@ def test_a_page_outside_the_spans_is_refused() -> None:
 def test_parts_that_are_not_dense_byte_rows_of_one_width_are_refused(parts) -> None:
     with pytest.raises(ValueError):
         span_rows(parts)
+
+
+def test_the_element_width_respects_the_lowest_spans_own_address() -> None:
+    """Spans whose offsets, strides and width are all multiples of 16 but whose
+    lowest buffer starts at an odd address are read a byte at a time (a wider
+    element would be misaligned), and still byte for byte."""
+    base = torch.arange(1 + 4 * 64, dtype=torch.int64).to(torch.uint8)
+    parts = [base[1 + 64 * i : 1 + 64 * (i + 1)].view(4, 16) for i in range(2)]
+    assert parts[0].data_ptr() % 2 == 1
+    rows = span_rows(parts)
+    assert rows.unit == 1
+    table = rows.rows(rows.unit)
+    index = rows.index([0, 3], rows.unit)
+    for i, page in enumerate([0, 3]):
+        for j, part in enumerate(parts):
+            assert torch.equal(table[int(index[i, j])].view(torch.uint8), part[page])
