@@ -10,9 +10,9 @@ writes ``<dir>/NAME.fired`` (JSON: the thread it ran on, the pid, the argument) 
 faults. Each fault is produced where the real one happens:
 
 - ``owner_deposit``: a deposit's slot reservation (kvcr's
-  ``local_dram._LocalDram.reserve_fill``, which the linker's deposits call)
-  raises: an exception on the adapter's owner thread (the only thread that calls
-  KVCR).
+  ``local_dram._LocalDram._allocate_slots``, which the linker's deposits call,
+  as kvcr's own fetches do) raises: an exception on the adapter's owner thread
+  (the only thread that calls KVCR).
 - ``progress``: one iteration of kvcr's progress loop raises kvcr's own
   ``_RemoteAgentCleanupError``, as its peer-message handlers do when NIXL's peer
   cleanup fails: the progress thread stops, and the owner thread's next
@@ -156,7 +156,7 @@ def _patch_api(module: types.ModuleType) -> None:
 def _patch_local_dram(module: types.ModuleType) -> None:
     _wrap(
         module._LocalDram,
-        "reserve_fill",
+        "_allocate_slots",
         _raising(
             "owner_deposit",
             lambda: InjectedFault("KVCR deposit failed (injected by kvcr_fault_hook)"),

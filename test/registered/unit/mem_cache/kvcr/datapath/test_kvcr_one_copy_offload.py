@@ -146,19 +146,17 @@ def test_a_deposit_larger_than_a_chunk_copies_while_it_reserves(monkeypatch):
     are reserved (before the next chunk is): each chunk is READY only once its
     own copy landed, and a failed chunk fails only its own pages (the offload is
     not stored)."""
-    from kvcr import local_dram
-
     first, later = DramCopier.DEVICE_CHUNKS
     pages = list(range(1, 21))
     rest = len(pages) - first
     assert 0 < rest <= later
     order: list[str] = []
-    reserve = local_dram._LocalDram.reserve_fill
+    reserve = page_fills._reserve
     start, copy = DramCopier.start, DramCopier._copy
 
-    def reserving(self, keys, *args, **kwargs):
+    def reserving(core, keys, *args, **kwargs):
         order.append(f"reserve {len(keys)}")
-        return reserve(self, keys, *args, **kwargs)
+        return reserve(core, keys, *args, **kwargs)
 
     def starting(self, pairs, *args, **kwargs):
         order.append(f"queue {len(pairs)}")
@@ -169,7 +167,7 @@ def test_a_deposit_larger_than_a_chunk_copies_while_it_reserves(monkeypatch):
             raise RuntimeError("second chunk's copy failed (injected)")
         copy(self, job, stream)
 
-    monkeypatch.setattr(local_dram._LocalDram, "reserve_fill", reserving)
+    monkeypatch.setattr(page_fills, "_reserve", reserving)
     monkeypatch.setattr(DramCopier, "start", starting)
     monkeypatch.setattr(DramCopier, "_copy", copying)
     pool = make_pool()
@@ -210,22 +208,20 @@ def test_a_deposit_failing_midway_keeps_its_running_copy_seen_at_close(
     first chunk's copy already running: the owner thread fails, and its close
     still sees that copy (waits for it, then calls the close unclean) instead of
     calling KVCR quiescent while the copy writes its DRAM."""
-    from kvcr import local_dram
-
     started, release = held_copy
     calls: list[int] = []
-    reserve = local_dram._LocalDram.reserve_fill
+    reserve = page_fills._reserve
 
-    def flaky(self, keys, *args, **kwargs):
+    def flaky(core, keys, *args, **kwargs):
         calls.append(len(keys))
         if len(calls) == 2:
             # Once the first chunk's copy runs (a copy not started would just be
             # dropped at close, never writing).
             assert started.wait(5), "the first chunk's copy never started"
             raise RuntimeError("kvcr state broken (injected)")
-        return reserve(self, keys, *args, **kwargs)
+        return reserve(core, keys, *args, **kwargs)
 
-    monkeypatch.setattr(local_dram._LocalDram, "reserve_fill", flaky)
+    monkeypatch.setattr(page_fills, "_reserve", flaky)
     pages = list(range(1, 21))
     pool = make_pool()
     fill_random(pool, pages, seed=19)

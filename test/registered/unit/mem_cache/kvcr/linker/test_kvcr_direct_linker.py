@@ -308,14 +308,14 @@ def test_restore_copy_and_kvcr_calls_stay_off_the_scheduler_thread(pool, linker)
     """The loader thread copies; the owner thread talks to KVCR; never the caller."""
     calls = []
     kv = linker._adapter.call(lambda kv: kv)
-    local = kv._core._local_dram  # a deposit reserves its slots here
-    original = local.reserve_fill
+    local = kv._core._local_dram  # a deposit allocates its slots here
+    original = local._allocate_slots
 
     def spy(*a, **k):
         calls.append(threading.current_thread().name)
         return original(*a, **k)
 
-    local.reserve_fill = spy
+    local._allocate_slots = spy
     fill_pages(pool, [1], seed=9)
     assert offload_and_commit(linker, page_hashes(1, "th"), [1]) is True
     assert calls == [linker._adapter.owner_thread.name]

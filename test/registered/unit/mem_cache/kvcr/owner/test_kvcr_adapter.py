@@ -156,14 +156,14 @@ def test_every_kvcr_call_runs_on_the_owner_thread(buffers):
                 return _orig(*a, **k)
 
             setattr(kv, name, spy)
-        local = kv._core._local_dram  # a deposit reserves its slots here
-        reserve = local.reserve_fill
+        local = kv._core._local_dram  # a deposit allocates its slots here
+        allocate = local._allocate_slots
 
-        def spy_reserve(*a, **k):
-            calls.append(("reserve_fill", threading.current_thread().name))
-            return reserve(*a, **k)
+        def spy_allocate(*a, **k):
+            calls.append(("_allocate_slots", threading.current_thread().name))
+            return allocate(*a, **k)
 
-        local.reserve_fill = spy_reserve
+        local._allocate_slots = spy_allocate
         op = adapter.next_op_id()
         adapter.submit(
             Deposit(op_id=op, blocks={_key(1): _ref("adapter-thread", 1)}, nbytes=BLOCK)
@@ -185,7 +185,7 @@ def test_every_kvcr_call_runs_on_the_owner_thread(buffers):
         _release_all(adapter, [entry.claim])
     finally:
         adapter.close()
-    assert {name for name, _ in calls} == {*SPIED, "reserve_fill"}, calls
+    assert {name for name, _ in calls} == {*SPIED, "_allocate_slots"}, calls
     assert {thread for _, thread in calls} == {adapter.owner_thread.name}, calls
     assert threading.current_thread().name != adapter.owner_thread.name
 

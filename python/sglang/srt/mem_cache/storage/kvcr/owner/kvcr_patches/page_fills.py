@@ -6,8 +6,9 @@ itself, several times slower than a plain copy, with Python work per part (a
 page of a 28-layer model is 56 parts). Here a block is one slot holding every
 span of one page (``PoolLayout.block_label``), nothing of the pools is registered,
 and a deposit goes through kvcr's own fill path instead, on the owner thread:
-``_LocalDram.reserve_fill`` applies the ingest policy, allocates (evicting as
-kvcr decides) and marks the slots FILLING; the attached copier writes the pages;
+its slots are reserved as ``_LocalDram.reserve_fill`` would (kvcr's allocator,
+evicting as kvcr decides, but one allocation for the whole deposit, and never a
+page of the same deposit) and marked FILLING; the attached copier writes the pages;
 once it says every byte landed, or that none will be written any more,
 ``_apply_fill_result`` marks them READY (inventory events, fetches waiting on them
 answered) or frees them, never READY with bytes that did not land. A copy not
@@ -136,8 +137,11 @@ def install() -> None:
         missing = [
             name
             for owner, name in (
-                (local_dram._LocalDram, "reserve_fill"),
                 (local_dram._LocalDram, "_apply_fill_result"),
+                (local_dram._LocalDram, "_allocate_slots"),
+                (local_dram._LocalDram, "_update_capacity_pressure"),
+                (local_dram, "_LocalDramResidency"),
+                (core._KVCRCore, "_publish_inventory"),
                 (local_dram, "_LocalDramState"),
                 (core._KVCRCore, "_block_record"),
                 (core._KVCRCore, "_prune_block_record"),
@@ -158,7 +162,18 @@ def install() -> None:
 def attach(kv: Any, copier: PageCopier) -> None:
     """Let ``copier`` fill the deposits of ``kv`` (a started ``kvcr.KVCR``)."""
     install()
-    _ATTACHED[kv._core] = copier
+    core = kv._core
+    if not (
+        hasattr(core, "_g3")
+        and hasattr(core._policy, "_policy")
+        and _builtin_policy(core)
+    ):
+        raise PageFillUnsupported(
+            "the linker reserves KVCR slots assuming kvcr's built-in FIFO or LRU "
+            "policy and no disk tier (eviction_policy fifo or lru), in kvcr "
+            f"{KVCR_VERSION}'s core layout: pip install kvcr=={KVCR_VERSION}"
+        )
+    _ATTACHED[core] = copier
 
 
 def new_fill(kv: Any) -> PageFill:
@@ -179,7 +194,6 @@ def begin(
     ``pool:page``, source page)) into ``fill`` and start their copy; ``wake``
     runs when a copy is done."""
     from kvcr.local_dram import _LocalDramState
-    from kvcr.types import CacheTier
 
     core = kv._core
     local = core._local_dram
@@ -202,17 +216,12 @@ def begin(
             else:
                 fill.results[key] = EntryStatus.FAILED
         pools = {name: (addr, size) for name, (addr, _, size) in local._pools.items()}
+    keep = set(blocks)  # no reservation of this deposit evicts one of its pages
     for label, keys in by_pool.items():
         address, size = pools[label.partition(":")[0]]
         for chunk in _chunks(keys, copier.chunks):
             with core._state_lock:
-                destinations, _pending = local.reserve_fill(
-                    chunk,
-                    sources=dict.fromkeys(chunk, CacheTier.FW_G2),
-                    required_local=False,
-                    deadline=fill.deadline,
-                    layout=[label],
-                )
+                destinations = _reserve(core, chunk, label, fill.deadline, keep)
                 for key in chunk:
                     if key not in destinations:  # dropped, or no slot in time
                         fill.results[key] = EntryStatus.FAILED
@@ -240,6 +249,58 @@ def begin(
             if status is EntryStatus.SUCCESS and not _is_ready(core, key):
                 fill.results[key] = EntryStatus.FAILED
                 core._prune_block_record(key)
+
+
+def _reserve(
+    core: Any, keys: list[bytes], label: str, deadline: float, keep: set[bytes]
+) -> set[bytes]:
+    """Under kvcr's state lock: reserve a FILLING slot of ``label`` for each of
+    ``keys`` as kvcr's ``reserve_fill`` does, except that no page of the deposit
+    (``keep``) is evicted for another; the keys that got one. kvcr's own loop asks
+    its policy about each key (kvcr's built-in FIFO and LRU, the only ones the
+    linker runs, keep every ingest: ``attach`` checks) and allocates one slot at
+    a time; one allocation of every slot at once picks the same victims in the
+    same order and hands out the same slots, so that comes first, and only an
+    allocation that cannot be met whole goes key by key."""
+    from kvcr.local_dram import _LocalDramResidency, _LocalDramState
+    from kvcr.types import CacheTier
+
+    local = core._local_dram
+    fresh = [key for key in keys if core._block_record(key).local_dram is None]
+    protected = keep | set(keys)
+    got: list[tuple[bytes, tuple[str, int]]] = []
+    evicted: list[bytes] = []
+    if fresh and ONE_ALLOCATION:
+        locations, evicted, _ = local._allocate_slots(
+            [label] * len(fresh), protected, deadline
+        )
+        if locations is not None:
+            got = list(zip(fresh, locations, strict=True))
+            fresh = []
+    for key in fresh:
+        locations, victims, _ = local._allocate_slots([label], protected, deadline)
+        evicted += victims
+        if locations is not None:
+            got.append((key, locations[0]))
+    for key, location in got:
+        core._block_record(key).local_dram = _LocalDramResidency(
+            [location], _LocalDramState.FILLING
+        )
+    local._update_capacity_pressure()
+    core._publish_inventory(evicted, CacheTier.LOCAL_G2, removed=True)
+    return {key for key, _ in got}
+
+
+# Off only in tests: every deposit then allocates key by key, as kvcr does.
+ONE_ALLOCATION = True
+
+
+def _builtin_policy(core: Any) -> bool:
+    """Whether ``core`` runs kvcr's built-in FIFO or LRU policy (exactly) with no
+    disk tier: ingest always KEEP, eviction always DROP, never pending."""
+    from kvcr.policy import FIFOPolicy, LRUPolicy
+
+    return core._g3 is None and type(core._policy._policy) in (FIFOPolicy, LRUPolicy)
 
 
 def poll(kv: Any, fill: PageFill) -> dict[bytes, EntryStatus] | None:

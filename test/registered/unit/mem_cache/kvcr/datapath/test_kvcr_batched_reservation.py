@@ -1,0 +1,196 @@
+"""A deposit's slots, reserved in one allocation, are the ones kvcr would give.
+
+``kvcr_patches.page_fills._reserve`` reserves every page of a deposit with one
+``_allocate_slots`` call when kvcr runs its built-in FIFO or LRU policy without a
+disk tier, instead of kvcr's ``reserve_fill`` (a policy call and an allocation
+per key). Here the same random run of deposits, held claims and releases goes
+once through that path and once through ``reserve_fill`` alone, on two real KVCRs
+of one configuration: after every step both hold the same keys, in the same
+slots, in the same states, with the same free slots, and report the same offload
+outcomes. The run must reach evictions and an allocation that cannot be met whole
+(claims pin the slots), which falls back to ``reserve_fill``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cpu_harness.kvcr_pages import (
+    PAGE_BYTES,
+    fill_random,
+    hashes_for,
+    kv_transfer,
+    make_linker,
+    make_pool,
+    wait_until,
+)
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import page_fills
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
+    LinkerRequestContext,
+)
+
+pytestmark = pytest.mark.kvcr
+
+SLOTS = 10
+STEPS = 40
+
+
+def _state(lk, names) -> tuple:
+    """Every resident key's slots and state, each pool's free slots in order, and
+    which of ``names`` the linker believes resident (from kvcr's inventory
+    events: an eviction not published would show here)."""
+
+    def read(kv):
+        core = kv._core
+        with core._state_lock:
+            resident = sorted(
+                (key, tuple(r.local_dram.slots), r.local_dram.state.name)
+                for key, r in core._block_record_map.items()
+                if r.local_dram is not None
+            )
+            free = {n: tuple(d) for n, d in core._local_dram._free_slots.items()}
+        return resident, free
+
+    believed = [n for n in names if lk.layout.block_key(n, "kv") in lk.residency]
+    return lk._adapter.call(read), believed
+
+
+def _run(policy: str, seed: int, pool) -> tuple[list, list]:
+    """(state after every step, outcome of every step) of one seeded run."""
+    rng = random.Random(seed)
+    names = hashes_for(24, f"batched-{seed}")
+    lk = make_linker(
+        pool,
+        local_dram_bytes_per_worker=SLOTS * PAGE_BYTES,
+        eviction_policy=policy,
+        max_inflight_offload_bytes=2 * SLOTS * PAGE_BYTES,
+    )
+    states, outcomes, held, recent = [], [], [], []
+    try:
+        for step in range(STEPS):
+            if held and (len(held) > 3 or rng.random() < 0.15):
+                lk.release_request(held.pop(0))
+                outcomes.append("release")
+            elif recent and rng.random() < 0.35:
+                # Pages of the last stored offload (still resident, mostly):
+                # held claims pin their slots against eviction.
+                rid = f"claim-{step}"
+                chosen = recent[: rng.randint(2, 7)]
+                handle = lk.prepare_request(
+                    LinkerRequestContext(rid), kv_transfer(chosen)
+                )
+                wait_until(lambda h=handle: lk.preparation_ready(h), what="prepared")
+                held.append(rid)
+                outcomes.append(("claim", lk.lookup(rid, kv_transfer(chosen))))
+            else:
+                chosen = rng.sample(names, rng.randint(2, 7))
+                pages = list(range(1, 1 + len(chosen)))
+                assert lk.offload(kv_transfer(chosen, pages)) is True
+                wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload")
+                stored = lk.pop_completed_offload()
+                recent = chosen if stored else recent
+                outcomes.append(("offload", stored))
+            states.append(_state(lk, names))
+        for rid in held:
+            lk.release_request(rid)
+    finally:
+        lk.close()
+    return states, outcomes
+
+
+def _kvcr_reserve_fill(core, keys, label, deadline, keep):
+    """The reference: kvcr's own ``reserve_fill`` (it protects only ``keys``)."""
+    from kvcr.types import CacheTier
+
+    got, _ = core._local_dram.reserve_fill(
+        keys,
+        sources=dict.fromkeys(keys, CacheTier.FW_G2),
+        required_local=False,
+        deadline=deadline,
+        layout=[label],
+    )
+    return set(got)
+
+
+@pytest.mark.parametrize("policy", ["fifo", "lru"])
+def test_one_allocation_gives_the_slots_and_victims_kvcr_would(monkeypatch, policy):
+    """Per seed, four runs: one allocation vs key by key (both keeping the
+    deposit's own pages), and, keeping only the keys reserved as kvcr does, one
+    allocation vs kvcr's ``reserve_fill`` itself."""
+    from kvcr import local_dram
+
+    pool = make_pool()
+    fill_random(pool, list(range(1, 8)), seed=31)
+    calls: list[tuple[int, bool, int]] = []  # (slots asked, met, victims)
+    allocate = local_dram._LocalDram._allocate_slots
+
+    def counting(self, layout, protected, deadline):
+        got = allocate(self, layout, protected, deadline)
+        calls.append((len(layout), got[0] is not None, len(got[1])))
+        return got
+
+    reserve = page_fills._reserve
+
+    def as_kvcr(core, keys, label, deadline, keep):
+        return reserve(core, keys, label, deadline, set(keys))
+
+    monkeypatch.setattr(local_dram._LocalDram, "_allocate_slots", counting)
+    used: list[tuple[int, bool, int]] = []
+    for seed in range(3):
+        calls.clear()
+        batched = _run(policy, seed, pool)
+        used += calls
+        with monkeypatch.context() as m:
+            m.setattr(page_fills, "ONE_ALLOCATION", False)
+            calls.clear()
+            per_key = _run(policy, seed, pool)
+            assert all(asked == 1 for asked, _, _ in calls)
+        with monkeypatch.context() as m:
+            m.setattr(page_fills, "_reserve", as_kvcr)
+            calls.clear()
+            batched_as_kvcr = _run(policy, seed, pool)
+            used += calls
+        with monkeypatch.context() as m:
+            m.setattr(page_fills, "_reserve", _kvcr_reserve_fill)
+            kvcr_own = _run(policy, seed, pool)
+        for name, one, other in (
+            ("key by key", batched, per_key),
+            ("kvcr's reserve_fill", batched_as_kvcr, kvcr_own),
+        ):
+            assert one[1] == other[1], f"seed {seed}: outcomes differ from {name}"
+            for step, (a, b) in enumerate(zip(one[0], other[0], strict=True)):
+                assert a == b, f"seed {seed} step {step}: state differs from {name}"
+    # The runs reached what the one allocation must get right.
+    evicting = [c for c in used if c[0] > 1 and c[1] and c[2] > 0]
+    refused = [c for c in used if c[0] > 1 and not c[1]]
+    assert len(evicting) >= 5, used
+    assert len(refused) >= 2, used
+
+
+def test_a_deposit_never_evicts_its_own_pages():
+    """A full FIFO cache holds a..d; a deposit of (a, e) evicts b for e, not a (the
+    oldest, which kvcr's own reservation would pick): the offload is stored and a
+    stays resident."""
+    pool = make_pool()
+    fill_random(pool, list(range(1, 6)), seed=32)
+    a, b, c, d, e = hashes_for(5, "own-pages")
+    lk = make_linker(pool, local_dram_bytes_per_worker=4 * PAGE_BYTES)
+    try:
+        for name, page in ((a, 1), (b, 2), (c, 3), (d, 4)):
+            assert lk.offload(kv_transfer([name], [page])) is True
+            wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload")
+            assert lk.pop_completed_offload() is True
+        assert lk.offload(kv_transfer([a, e], [1, 5])) is True
+        wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload")
+        assert lk.pop_completed_offload() is True
+        wait_until(
+            lambda: lk.layout.block_key(e, "kv") in lk.residency, what="e resident"
+        )
+        resident = {
+            n for n in (a, b, c, d, e) if lk.layout.block_key(n, "kv") in lk.residency
+        }
+        assert resident == {a, c, d, e}
+    finally:
+        lk.close()
