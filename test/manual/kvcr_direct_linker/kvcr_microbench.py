@@ -124,7 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--replay-rounds",
         type=int,
-        default=5,
+        default=9,
         help="evict-and-replay rounds after one warm-up (each cycles the device "
         "pool of kvcr and none twice)",
     )
