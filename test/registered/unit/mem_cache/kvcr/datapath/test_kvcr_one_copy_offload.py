@@ -517,3 +517,23 @@ def test_a_close_waits_for_a_running_copy_and_quarantines_one_it_outlives(
     finally:
         release.set()
         lk.close()
+
+
+def test_a_kvcr_that_attach_refuses_is_closed_not_left_running(monkeypatch):
+    """The policy check runs once KVCR is built: when it refuses, that KVCR (its
+    NIXL agent, progress thread, DRAM) is closed, and the refusal names the
+    config field."""
+    from kvcr import api
+
+    closed: list[object] = []
+    close = api.KVCR.close
+
+    def spy(self, *args, **kwargs):
+        closed.append(self)
+        return close(self, *args, **kwargs)
+
+    monkeypatch.setattr(api.KVCR, "close", spy)
+    monkeypatch.setattr(page_fills, "_builtin_policy", lambda core: False)
+    with pytest.raises(Exception, match="eviction_policy") as refused:
+        make_linker(make_pool())
+    assert len(closed) == 1, (closed, refused.value)

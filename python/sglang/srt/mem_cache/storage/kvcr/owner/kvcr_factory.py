@@ -11,6 +11,7 @@ a bad UCX setting) into a one-line fix.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -143,6 +144,7 @@ def make_kvcr_factory(
                 channel_cls, control_bind_host, control_advertise_host
             )
         policy = LRUPolicy() if eviction_policy == "lru" else FIFOPolicy()
+        kv: Any = None
         try:
             with kvcr_patches.nixl_agent_settings(nixl_progress_thread):
                 kv = KVCR(
@@ -171,6 +173,9 @@ def make_kvcr_factory(
                 page_fills.attach(kv, local_copier)  # before any deposit
             return BuiltKVCR(kv, str(control.endpoint))
         except BaseException:
+            if kv is not None:  # built, then refused (attach): not left running
+                with contextlib.suppress(Exception):
+                    kv.close()
             close = getattr(control, "close", None)
             if close is not None:
                 close()

@@ -170,8 +170,9 @@ def attach(kv: Any, copier: PageCopier) -> None:
     ):
         raise PageFillUnsupported(
             "the linker reserves KVCR slots assuming kvcr's built-in FIFO or LRU "
-            "policy and no disk tier (eviction_policy fifo or lru), in kvcr "
-            f"{KVCR_VERSION}'s core layout: pip install kvcr=={KVCR_VERSION}"
+            "policy with no disk tier (linker config eviction_policy 'lru' or "
+            f"'fifo', no G3) and kvcr {KVCR_VERSION}'s core layout (_g3, "
+            f"_policy._policy); installed kvcr: pip install kvcr=={KVCR_VERSION}"
         )
     _ATTACHED[core] = copier
 
