@@ -45,10 +45,14 @@ def build_linker(
     forward_stream: Any = None,
 ) -> UnifiedCacheLinker:
     """This rank's linker (see the module docstring); once it is built, the
-    process's GIL switch interval is lowered (``owner.gil_share``)."""
+    process's GIL switch interval is lowered (``owner.gil_share``) and SGLang's
+    page hashing is loaded (``integration.warm_page_hashing``)."""
     config = KVCRLinkerConfig.from_dict(extra_config or {})  # every rank refuses alike
     linker = _build(server_args, params, components, config, forward_stream)
     share_gil(config.gil_switch_interval_us)  # once nothing can refuse any more
+    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
+
+    integration.warm_page_hashing()  # not on the first request's insert
     return linker
 
 
