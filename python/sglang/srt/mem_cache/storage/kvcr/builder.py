@@ -46,13 +46,11 @@ def build_linker(
 ) -> UnifiedCacheLinker:
     """This rank's linker (see the module docstring); once it is built, the
     process's GIL switch interval is lowered (``owner.gil_share``) and SGLang's
-    page hashing is loaded (``integration.warm_page_hashing``)."""
+    page hashing is loaded (``_warm_page_hashing``)."""
     config = KVCRLinkerConfig.from_dict(extra_config or {})  # every rank refuses alike
     linker = _build(server_args, params, components, config, forward_stream)
     share_gil(config.gil_switch_interval_us)  # once nothing can refuse any more
-    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
-
-    integration.warm_page_hashing()  # not on the first request's insert
+    _warm_page_hashing()  # not on the first request's insert
     return linker
 
 
@@ -107,3 +105,21 @@ def _build(
         forward_stream=forward_stream,
     )
     return KVCRDirectLinker(setup)  # owns the resources from here on
+
+
+def _warm_page_hashing() -> None:
+    """Load SGLang's native page-hash extension now. With a linker, an insert
+    hashes its pages through it, and it is built (a C++ compile on a fresh host)
+    and loaded on first use, which the first request after start-up would
+    otherwise wait for. A failure is logged and changes nothing:
+    the first insert tries again, as it would have."""
+    try:
+        from sglang.srt.mem_cache.utils import get_hash_str
+
+        get_hash_str([1])
+    except Exception as exc:
+        logger.warning(
+            "KVCR linker: SGLang's native page hash did not load at start-up (the "
+            "first insert retries it): %s",
+            exc,
+        )

@@ -1,9 +1,9 @@
 """A built linker has SGLang's native page hash loaded before the first insert.
 
 With a linker, SGLang's insert hashes every new page through a native extension
-that is built and loaded on first use (80 ms on the CPU test host, a compile on a
-fresh one). ``build_linker`` loads it, so the first request does not wait for it;
-a load that fails is logged and the build goes on (the first insert retries).
+that is built (a C++ compile on a fresh host) and loaded on first use.
+``build_linker`` loads it, so the first request does not wait for it; a load that
+fails is logged and the build goes on (the first insert retries).
 """
 
 from __future__ import annotations

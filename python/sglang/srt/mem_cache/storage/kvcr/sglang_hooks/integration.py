@@ -448,21 +448,3 @@ def _node(core: Any, node_id: Any) -> Any:
         return core.node_by_id(node_id)
     except (KeyError, IndexError):
         return None
-
-
-def warm_page_hashing() -> None:
-    """Load SGLang's native page-hash extension now. With a linker, an insert
-    hashes its pages through it, and it is built and loaded on first use (80 ms on
-    the CPU test host; a compile on a fresh one), which the first request after
-    start-up would otherwise wait for. A failure is logged and changes nothing:
-    the first insert tries again, as it would have."""
-    try:
-        from sglang.srt.mem_cache.utils import get_hash_str
-
-        get_hash_str([1])
-    except Exception as exc:
-        logger.warning(
-            "KVCR linker: SGLang's native page hash did not load at start-up (the "
-            "first insert retries it): %s",
-            exc,
-        )
