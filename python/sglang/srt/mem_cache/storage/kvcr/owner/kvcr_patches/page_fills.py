@@ -252,12 +252,16 @@ def begin(
                 core._prune_block_record(key)
 
 
+# Off only in tests: every deposit then allocates key by key, as kvcr does.
+ONE_ALLOCATION = True
+
+
 def _reserve(
     core: Any, keys: list[bytes], label: str, deadline: float, keep: set[bytes]
 ) -> set[bytes]:
     """Under kvcr's state lock: reserve a FILLING slot of ``label`` for each of
     ``keys`` as kvcr's ``reserve_fill`` does, except that no page of the deposit
-    (``keep``) is evicted for another; the keys that got one. kvcr's own loop asks
+    (``keep``, which holds ``keys``) is evicted for another; the keys that got one. kvcr's own loop asks
     its policy about each key (kvcr's built-in FIFO and LRU, the only ones the
     linker runs, keep every ingest: ``attach`` checks) and allocates one slot at
     a time; one allocation of every slot at once picks the same victims in the
@@ -268,18 +272,17 @@ def _reserve(
 
     local = core._local_dram
     fresh = [key for key in keys if core._block_record(key).local_dram is None]
-    protected = keep | set(keys)
     got: list[tuple[bytes, tuple[str, int]]] = []
     evicted: list[bytes] = []
     if fresh and ONE_ALLOCATION:
         locations, evicted, _ = local._allocate_slots(
-            [label] * len(fresh), protected, deadline
+            [label] * len(fresh), keep, deadline
         )
         if locations is not None:
             got = list(zip(fresh, locations, strict=True))
             fresh = []
     for key in fresh:
-        locations, victims, _ = local._allocate_slots([label], protected, deadline)
+        locations, victims, _ = local._allocate_slots([label], keep, deadline)
         evicted += victims
         if locations is not None:
             got.append((key, locations[0]))
@@ -290,10 +293,6 @@ def _reserve(
     local._update_capacity_pressure()
     core._publish_inventory(evicted, CacheTier.LOCAL_G2, removed=True)
     return {key for key, _ in got}
-
-
-# Off only in tests: every deposit then allocates key by key, as kvcr does.
-ONE_ALLOCATION = True
 
 
 def _builtin_policy(core: Any) -> bool:
