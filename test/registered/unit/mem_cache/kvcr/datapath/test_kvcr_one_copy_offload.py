@@ -118,20 +118,33 @@ def test_no_slot_is_ready_before_its_copy_landed(held_copy):
         lk.close()
 
 
-def test_an_offload_with_no_fence_is_deposited_without_waiting_for_a_step(
-    held_copy,
-):
-    """A CPU pool has no fence to wait for: ``offload`` submits the deposit
-    itself (its copy starts with no scheduler step, no ``num_completed_offloads``),
-    and the result still only arrives through a step."""
+def test_an_offload_leaves_its_deposit_to_the_next_pump(held_copy):
+    """``offload`` runs on the scheduler thread before the batch's output is
+    streamed: it only queues the offload (even a CPU pool's, which has no fence
+    to wait for). Nothing is keyed, the owner thread is not woken and no copy
+    starts until the scheduler's next pass pumps (``num_completed_offloads``),
+    which submits it; the result arrives through a later pass."""
     started, release = held_copy
     pool = make_pool()
     fill_random(pool, [1, 2], seed=13)
     lk = make_linker(pool)
+    submitted: list[int] = []
+    together = lk._adapter.submit_together
+
+    def counting(deposits, *args, **kwargs):
+        submitted.append(len(deposits))
+        return together(deposits, *args, **kwargs)
+
+    lk._adapter.submit_together = counting
     try:
-        assert lk.offload(kv_transfer(hashes_for(2, "at-once"), [1, 2])) is True
+        assert lk.offload(kv_transfer(hashes_for(2, "next-pass"), [1, 2])) is True
+        assert lk.offloader.queue.deferred_count == 1
+        assert not started.wait(0.2), "offload() started the copy itself"
+        assert submitted == []
+        assert lk.num_completed_offloads() == 0  # the next pass: submitted now
+        assert submitted == [1]
         assert lk.offloader.queue.deferred_count == 0
-        assert started.wait(5), "the copy waited for a scheduler step"
+        assert started.wait(5), "the pump did not start the copy"
         release.set()
         wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload result")
         assert lk.pop_completed_offload() is True
@@ -229,6 +242,7 @@ def test_a_deposit_failing_midway_keeps_its_running_copy_seen_at_close(
     try:
         lk.copier.chunks = DramCopier.DEVICE_CHUNKS
         assert lk.offload(kv_transfer(hashes_for(20, "midway"), pages)) is True
+        lk.num_completed_offloads()  # the next pass submits it
         assert started.wait(5), "the first chunk's copy never started"
         wait_until(lambda: len(calls) == 2, what="second reservation")
         wait_until(lambda: not lk._adapter._thread.is_alive(), what="owner stop")

@@ -5,8 +5,8 @@ its result in the ``OffloadQueue`` at once (results pair by position across
 ranks, so every call gets one, failed or not). Direct path (the default): the
 deposit is deferred until fences say the pages are written and their numbers
 reached the host, then built (split when large) by a later pump, never waiting
-on the scheduler thread (with no fence at all, a CPU pool, it is submitted at
-once); the copier reads the pool pages straight into KVCR's
+on the scheduler thread and never before the batch's output is streamed
+(with no fence at all, a CPU pool, the next pump submits it); the copier reads the pool pages straight into KVCR's
 slots. Staged path: the pages are first copied into page-locked staging slots on
 the stager's thread, which submits the deposit (read from staging) after its
 stream has drained. Nothing here calls KVCR
@@ -117,17 +117,17 @@ class Offloader:
             events = tuple(ready_events())  # after every kernel above, on this stream
             staging = self.staging
             if staging is None:
-                # Direct path: built and submitted by a later pump, once the events say
-                # the pages are written and their numbers have reached the host (no
-                # wait here: this thread has the batch's output to stream).
+                # Direct path: built and submitted by a later pump (the scheduler's
+                # next loop pass), once the events say the pages are written and
+                # their numbers have reached the host. Even with nothing to wait
+                # for (a CPU pool) nothing more happens here: this thread has the
+                # batch's output to stream, and keying the deposit and waking the
+                # owner thread (which then holds the GIL reserving slots) would
+                # delay that first token.
                 host = [dataclasses.replace(g, pages=to_host(g.pages)) for g in groups]
                 fences = (*events, *self._device.record_fences(None))
                 deadline = time.monotonic() + self._timeout_s
                 self.queue.defer(DeferredOffload(record, host, fences, deadline))
-                if not fences:
-                    # Nothing to wait for (a CPU pool): submitted now, in order
-                    # behind any still deferred, not a whole step later.
-                    self.submit_ready(adapter)
                 return
             slots = staging.alloc(len(kv_keys))
             if slots is None:
