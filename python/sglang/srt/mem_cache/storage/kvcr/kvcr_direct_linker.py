@@ -186,12 +186,12 @@ class KVCRDirectLinker(
 
     # ---- result routing --------------------------------------------------------
 
-    def _pump(self, may_restart: bool = False) -> None:
-        self._route()
+    def _pump(self, may_restart: bool = False, deposits: bool = True) -> None:
+        self._route(deposits=deposits)
         self._watch_kvcr(may_restart)  # failed: go down; down: restart when due
 
-    def _route(self, wait_s: float = 0.0) -> None:
-        if self.offloader.queue.has_deferred:
+    def _route(self, wait_s: float = 0.0, deposits: bool = True) -> None:
+        if deposits and self.offloader.queue.has_deferred:
             self.offloader.submit_ready(self._adapter)
         for item in self._adapter.drain(wait_s):
             if isinstance(item, InventoryChange):
@@ -209,8 +209,10 @@ class KVCRDirectLinker(
     def prepare_request(
         self, ctx: LinkerRequestContext, transfers: list[PoolTransfer]
     ) -> PreparationHandle:
-        """Fetch the tail's locally resident or hinted pages into claimed KVCR DRAM."""
-        self._pump()
+        """Fetch the tail's locally resident or hinted pages into claimed KVCR DRAM
+        (at enqueue: the last batch's deferred offloads wait for the step's pump,
+        so no deposit runs on the owner thread ahead of this request's claims)."""
+        self._pump(deposits=False)
         page_hashes = kv_keys(transfers)
         hint = request_hint(
             self.hints,
@@ -234,7 +236,7 @@ class KVCRDirectLinker(
         )
         if commands:  # a failed KVCR's adapter answers them itself
             self.session.submit(commands)
-            self._pump()
+            self._pump(deposits=False)
             self._await_local_claims(ctx.rid)
         return ctx.handle
 
@@ -246,13 +248,12 @@ class KVCRDirectLinker(
             if (left := self._local_wait_s - (time.monotonic() - start)) <= 0:
                 self.stats.local_hit_waits_expired += self._local_wait_s > 0
                 break
-            self._route(left)
+            self._route(left, deposits=False)
         self._local_wait_s -= time.monotonic() - start
 
     def _fills_unresolved(self) -> bool:
-        """Failed peer fetches hold over a quarter of the DRAM share (or
-        ``max_abandoned_bytes``): no hints until a flush or restart resolves them
-        (kvcr_patches.unresolved_fills)."""
+        """Failed peer fetches hold over max(DRAM share / 4, max_abandoned_bytes):
+        no hints until a flush or restart resolves them (unresolved_fills)."""
         held = self._adapter.stats().unresolved_fill_bytes
         bound = max(self.dram.gauges().dram_bytes // 4, self.config.max_abandoned_bytes)
         return held > bound

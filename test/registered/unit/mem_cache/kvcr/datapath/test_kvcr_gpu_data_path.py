@@ -534,8 +534,8 @@ def test_scheduler_thread_never_reads_device_indices_on_the_host(path):
     of a device index tensor (``int()``, ``.tolist()``, ``.item()``) waits for the
     GPU. They must not read any (the pages stay on the device until a side
     thread or a later pump needs them). A device pool always has a fence to wait
-    for (a CPU pool, with none, submits at once: its host reads cost nothing), so
-    the offload here carries one, complete already."""
+    for, so the offload here carries one, complete already (a CPU pool has none,
+    and its host reads cost nothing)."""
     pool = make_pool("cpu")
     lk = make_linker(pool, offload_path=path)
     try:

@@ -153,6 +153,102 @@ def test_an_offload_leaves_its_deposit_to_the_next_pump(held_copy):
         lk.close()
 
 
+def test_a_flush_before_the_next_pump_drops_the_deferred_offload_unsubmitted():
+    """SGLang flushes from ``ingest_requests``, before the step's pump: a CPU
+    pool's offload queued by the last batch is then still deferred. The flush
+    drops it without a deposit (no copy can read pages the allocator is about to
+    free), stores nothing, leaves no result to pair (the wrapper fails its
+    pending offloads itself), and the next offload gets its own result."""
+    pool = make_pool()
+    fill_random(pool, [1, 2, 3], seed=23)
+    lk = make_linker(pool)
+    submitted: list[int] = []
+    together = lk._adapter.submit_together
+
+    def counting(deposits, *args, **kwargs):
+        submitted.append(len(deposits))
+        return together(deposits, *args, **kwargs)
+
+    lk._adapter.submit_together = counting
+    try:
+        dropped = hashes_for(2, "flushed")
+        assert lk.offload(kv_transfer(dropped, [1, 2])) is True
+        assert lk.offloader.queue.deferred_count == 1
+        lk.reset()
+        assert submitted == []
+        assert lk.offloader.queue.deferred_count == 0
+        assert len(lk.offloader.queue) == 0
+        assert lk.num_completed_offloads() == 0
+        assert _resident(lk) == 0
+        kept = hashes_for(1, "after-flush")
+        assert lk.offload(kv_transfer(kept, [3])) is True
+        wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload result")
+        assert lk.pop_completed_offload() is True
+        assert _resident(lk) == 1
+    finally:
+        lk.close()
+
+
+def test_a_local_hit_enqueued_after_an_offload_gets_its_claims_first():
+    """The step after a batch offloaded: a request enqueued then (before the
+    step's pump) whose pages are resident here is ready at once, its claims
+    answered while the batch's deposit is still deferred (the owner thread does
+    not reserve and copy it first); the step's pump then submits the deposit."""
+    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
+        LinkerRequestContext,
+    )
+
+    pool = make_pool()
+    fill_random(pool, [1, 2, 3, 4], seed=29)
+    lk = make_linker(pool)
+    try:
+        resident = hashes_for(2, "resident")
+        assert offload_and_commit(lk, resident, [1, 2]) is True
+        lk.num_completed_offloads()  # a step starts: this step's claim wait
+        assert lk.offload(kv_transfer(hashes_for(2, "later"), [3, 4])) is True
+        handle = lk.prepare_request(LinkerRequestContext("hit"), kv_transfer(resident))
+        assert lk.offloader.queue.deferred_count == 1
+        assert lk.preparations.ready(handle)  # claimed, no deposit submitted
+        assert lk.preparation_ready(handle)  # the step's pump: submitted now
+        assert lk.offloader.queue.deferred_count == 0
+        assert lk.lookup("hit", kv_transfer(resident)) == [1, 2]
+        wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload result")
+        assert lk.pop_completed_offload() is True
+        lk.release_request("hit")
+    finally:
+        lk.close()
+
+
+def test_an_offload_whose_submission_raises_fails_and_is_not_awaited():
+    """Handing a deferred offload's deposits to the owner raised: that offload
+    fails, and nothing of it stays pending (a pending op would hold off a KVCR
+    restart until the next flush); the next offload is stored."""
+    pool = make_pool()
+    fill_random(pool, [1, 2], seed=31)
+    lk = make_linker(pool)
+    together = lk._adapter.submit_together
+    calls: list[int] = []
+
+    def broken_once(deposits, *args, **kwargs):
+        calls.append(len(deposits))
+        if len(calls) == 1:
+            raise RuntimeError("owner inbox refused (injected)")
+        return together(deposits, *args, **kwargs)
+
+    lk._adapter.submit_together = broken_once
+    try:
+        assert lk.offload(kv_transfer(hashes_for(1, "refused"), [1])) is True
+        assert lk.num_completed_offloads() == 1
+        assert lk.pop_completed_offload() is False
+        assert not lk.offloader.queue.has_pending
+        assert lk.offload(kv_transfer(hashes_for(1, "stored"), [2])) is True
+        wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload result")
+        assert lk.pop_completed_offload() is True
+        assert calls == [1, 1]
+    finally:
+        lk.close()
+
+
 def test_a_deposit_larger_than_a_chunk_copies_while_it_reserves(monkeypatch):
     """With chunks (a device copier's: ``DEVICE_CHUNKS``, set here on a CPU one)
     a 20-page deposit reserves 8, then 12, each copy queued as soon as its slots
@@ -486,6 +582,14 @@ def test_an_offload_of_pages_still_filling_reports_that_fill(monkeypatch, lands)
     second deposit does not copy them again and reports the first copy's
     outcome (stored if it landed, failed if it did not)."""
     started, release = _hold_copies(monkeypatch, fails=not lands)
+    waiting: list[int] = []  # each deposit's keys found FILLING by its begin
+    begin = page_fills.begin
+
+    def spying(kv, fill, *args, **kwargs):
+        begin(kv, fill, *args, **kwargs)
+        waiting.append(len(fill.waiting))
+
+    monkeypatch.setattr(page_fills, "begin", spying)
     pool = make_pool()
     fill_random(pool, [1, 2], seed=17)
     lk = make_linker(pool)
@@ -494,7 +598,10 @@ def test_an_offload_of_pages_still_filling_reports_that_fill(monkeypatch, lands)
         assert lk.offload(kv_transfer(hashes, [1, 2])) is True
         wait_until(lambda: (lk.num_completed_offloads(), started.is_set())[1])
         assert lk.offload(kv_transfer(hashes, [1, 2])) is True
-        threading.Event().wait(0.1)
+        lk.num_completed_offloads()  # the next pass submits it, copy still held
+        assert lk.offloader.queue.deferred_count == 0
+        wait_until(lambda: len(waiting) == 2, what="second deposit begun")
+        assert waiting == [0, 2]  # the second found both pages still filling
         release.set()
         wait_until(lambda: lk.num_completed_offloads() >= 2, what="both results")
         assert lk.pop_completed_offload() is lands

@@ -101,9 +101,13 @@ class OffloadQueue:
         """``offload()`` raised after ``push``: the wrapper never queued it."""
         if self._fifo and self._fifo[-1] is record:
             self._fifo.pop()
+        self.untrack(record)
+        self._deferred = [d for d in self._deferred if d.record is not record]
+
+    def untrack(self, record: OffloadRecord) -> None:
+        """Submitting ``record``'s deposits raised: none of them is awaited."""
         for op_id in [k for k, v in self._pending.items() if v is record]:
             del self._pending[op_id]
-        self._deferred = [d for d in self._deferred if d.record is not record]
 
     def track(
         self, op_id: OpId, record: OffloadRecord, slots: tuple[int, ...] | None = None

@@ -5,12 +5,12 @@ its result in the ``OffloadQueue`` at once (results pair by position across
 ranks, so every call gets one, failed or not). Direct path (the default): the
 deposit is deferred until fences say the pages are written and their numbers
 reached the host, then built (split when large) by a later pump, never waiting
-on the scheduler thread and never before the batch's output is streamed
-(with no fence at all, a CPU pool, the next pump submits it); the copier reads the pool pages straight into KVCR's
-slots. Staged path: the pages are first copied into page-locked staging slots on
-the stager's thread, which submits the deposit (read from staging) after its
-stream has drained. Nothing here calls KVCR
-except through the adapter's thread-safe ``submit``.
+on the scheduler thread and never before the batch's output is streamed (with
+no fence at all, a CPU pool, the next pump submits it); the copier reads the
+pool pages straight into KVCR's slots. Staged path: the pages are first copied
+into page-locked staging slots on the stager's thread, which submits the
+deposit (read from staging) after its stream has drained. Nothing here calls
+KVCR except through the adapter's thread-safe ``submit``.
 """
 
 from __future__ import annotations
@@ -197,9 +197,12 @@ class Offloader:
                 adapter.submit_together(deposits)
             except KVCRLayoutError:
                 logger.exception("KVCR offload could not be described; it fails")
+                self.queue.untrack(deferred.record)
                 deferred.record.fail()
             except BaseException:
+                # Not awaited any more (a pending op would hold off a restart).
                 logger.exception("KVCR offload could not be submitted; it fails")
+                self.queue.untrack(deferred.record)
                 deferred.record.fail()
 
     def on_done(self, done: OpDone) -> None:
