@@ -70,6 +70,22 @@ def held_copy(monkeypatch):
     return _hold_copies(monkeypatch)
 
 
+def _count_submissions(lk, fail_first: bool = False) -> list[int]:
+    """Record the size of every ``submit_together`` the linker makes (the first
+    raising, with ``fail_first``); the list fills as submissions happen."""
+    calls: list[int] = []
+    together = lk._adapter.submit_together
+
+    def counting(deposits, *args, **kwargs):
+        calls.append(len(deposits))
+        if fail_first and len(calls) == 1:
+            raise RuntimeError("owner inbox refused (injected)")
+        return together(deposits, *args, **kwargs)
+
+    lk._adapter.submit_together = counting
+    return calls
+
+
 def _resident(lk) -> int:
     return lk.residency.gauges().resident_keys
 
@@ -128,14 +144,7 @@ def test_an_offload_leaves_its_deposit_to_the_next_pump(held_copy):
     pool = make_pool()
     fill_random(pool, [1, 2], seed=13)
     lk = make_linker(pool)
-    submitted: list[int] = []
-    together = lk._adapter.submit_together
-
-    def counting(deposits, *args, **kwargs):
-        submitted.append(len(deposits))
-        return together(deposits, *args, **kwargs)
-
-    lk._adapter.submit_together = counting
+    submitted = _count_submissions(lk)
     try:
         assert lk.offload(kv_transfer(hashes_for(2, "next-pass"), [1, 2])) is True
         assert lk.offloader.queue.deferred_count == 1
@@ -162,14 +171,7 @@ def test_a_flush_before_the_next_pump_drops_the_deferred_offload_unsubmitted():
     pool = make_pool()
     fill_random(pool, [1, 2, 3], seed=23)
     lk = make_linker(pool)
-    submitted: list[int] = []
-    together = lk._adapter.submit_together
-
-    def counting(deposits, *args, **kwargs):
-        submitted.append(len(deposits))
-        return together(deposits, *args, **kwargs)
-
-    lk._adapter.submit_together = counting
+    submitted = _count_submissions(lk)
     try:
         dropped = hashes_for(2, "flushed")
         assert lk.offload(kv_transfer(dropped, [1, 2])) is True
@@ -226,16 +228,7 @@ def test_an_offload_whose_submission_raises_fails_and_is_not_awaited():
     pool = make_pool()
     fill_random(pool, [1, 2], seed=31)
     lk = make_linker(pool)
-    together = lk._adapter.submit_together
-    calls: list[int] = []
-
-    def broken_once(deposits, *args, **kwargs):
-        calls.append(len(deposits))
-        if len(calls) == 1:
-            raise RuntimeError("owner inbox refused (injected)")
-        return together(deposits, *args, **kwargs)
-
-    lk._adapter.submit_together = broken_once
+    calls = _count_submissions(lk, fail_first=True)
     try:
         assert lk.offload(kv_transfer(hashes_for(1, "refused"), [1])) is True
         assert lk.num_completed_offloads() == 1

@@ -195,13 +195,10 @@ class Offloader:
                     self.queue.track(deposit.op_id, deferred.record)
                 # Charged as one: the halves of one offload are admitted together.
                 adapter.submit_together(deposits)
-            except KVCRLayoutError:
-                logger.exception("KVCR offload could not be described; it fails")
-                self.queue.untrack(deferred.record)
-                deferred.record.fail()
-            except BaseException:
+            except BaseException as exc:
+                what = "described" if isinstance(exc, KVCRLayoutError) else "submitted"
+                logger.exception("KVCR offload could not be %s; it fails", what)
                 # Not awaited any more (a pending op would hold off a restart).
-                logger.exception("KVCR offload could not be submitted; it fails")
                 self.queue.untrack(deferred.record)
                 deferred.record.fail()
 
