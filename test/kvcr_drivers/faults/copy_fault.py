@@ -56,14 +56,20 @@ def scenario_failed_device_copy_mid_layer(sc: Scenario) -> None:
         buf.zero_()
     pool = linker.layout.pools[0]
     layer1 = set(pool.layer_part_indices(1))
-    copy_chunk = CpuRestorePlan.copy_chunk
+    make_piece = CpuRestorePlan.piece
 
-    def failing_chunk(plan: CpuRestorePlan, chunk: int) -> int:
-        """The CPU restore's copy of a span range: raises, before writing, on
-        the range holding layer 1."""
-        if layer1 & set(range(plan.bounds[chunk], plan.bounds[chunk + 1])):
-            raise InjectedCopyFault("injected device copy fault on layer 1")
-        return copy_chunk(plan, chunk)
+    def failing_piece(
+        plan: CpuRestorePlan, seg: Any, start: int, stop: int, lo: int, hi: int
+    ) -> Any:
+        """A piece of the CPU restore: raises, before writing, when its span
+        range holds part of layer 1 (the other pieces copy)."""
+        if layer1 & set(range(lo, hi)):
+
+            def fail() -> None:
+                raise InjectedCopyFault("injected device copy fault on layer 1")
+
+            return fail
+        return make_piece(plan, seg, start, stop, lo, hi)
 
     def admit(rid: str) -> Any:
         req = stack.make_req(rid, [*prefix, 7, 8])
@@ -76,12 +82,12 @@ def scenario_failed_device_copy_mid_layer(sc: Scenario) -> None:
     sc.check("the prefix is an external hit", req.host_hit_length == len(prefix))
     stack.load_back(req)
     private = cache.linker.private_load_indices[req.rid].clone()
-    CpuRestorePlan.copy_chunk = failing_chunk  # type: ignore[method-assign]
+    CpuRestorePlan.piece = failing_piece  # type: ignore[method-assign]
     try:
         sc.check("the load batch starts", cache.ready_to_load_host_cache() >= 0)
         failed = cache.finish_external_linker_loads([req])
     finally:
-        CpuRestorePlan.copy_chunk = copy_chunk  # type: ignore[method-assign]
+        CpuRestorePlan.piece = make_piece  # type: ignore[method-assign]
     reason = getattr(req.discard_output_reason, "message", None) or str(
         req.discard_output_reason
     )

@@ -7,12 +7,14 @@ import random
 import pytest
 import torch
 
+from sglang.srt.mem_cache.storage.kvcr.datapath import row_team
 from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import (
     CpuRestorePlan,
     Segment,
     plan_segments,
     wide_rows,
 )
+from sglang.srt.mem_cache.storage.kvcr.datapath.row_team import RowTeam
 from sglang.srt.mem_cache.storage.kvcr.datapath.span_rows import span_rows
 
 
@@ -59,22 +61,29 @@ def _reference(dst, dest_pages, src, slots, part):
 
 
 def _run_plan(dest_pages, slots, parts, store) -> int:
-    """Every chunk of a CPU restore plan of ``parts`` (separate span tensors);
-    returns how many chunks it took, after checking each reports its progress."""
+    """A CPU restore plan of ``parts`` (separate span tensors) run by a team of
+    two threads; returns how many pieces it took."""
     plan = CpuRestorePlan(dest_pages, slots, span_rows(parts), store)
-    chunks = len(plan.bounds) - 1
-    for chunk in range(chunks):
-        assert plan.copy_chunk(chunk) == plan.bounds[chunk + 1]
-    assert plan.bounds[-1] == len(parts)
-    return chunks
+    pieces = plan.pieces()
+    team = RowTeam(1)
+    try:
+        team.run(pieces)
+    finally:
+        assert team.close(5.0)
+    return len(pieces)
 
 
+@pytest.mark.parametrize("piece_rows", [None, 1, 2])  # None: the default size
 @pytest.mark.parametrize("row_bytes", [64, 36])  # 36: rows of 4-byte elements
 @pytest.mark.parametrize("source", ["object_major", "shuffled", "two_runs"])
 @pytest.mark.parametrize("dest", ["contiguous", "scattered"])
-def test_restore_plan_matches_row_copies(row_bytes, source, dest) -> None:
+def test_restore_plan_matches_row_copies(
+    row_bytes, source, dest, piece_rows, monkeypatch
+) -> None:
     rng = random.Random(f"{row_bytes}{source}{dest}")
     parts, pages, store_rows = 3, 30, 120
+    if piece_rows is not None:  # pieces of single rows or (page, 2 spans) blocks
+        monkeypatch.setattr(row_team, "PIECE_BYTES", piece_rows * row_bytes)
     store = torch.randint(0, 256, (store_rows, row_bytes), dtype=torch.uint8)
     slots, dest_pages = _layout(
         rng,
@@ -87,11 +96,13 @@ def test_restore_plan_matches_row_copies(row_bytes, source, dest) -> None:
     )
     dst = [torch.randint(0, 256, (80, row_bytes), dtype=torch.uint8) for _ in range(3)]
     expected = [_reference(d, dest_pages, store, slots, i) for i, d in enumerate(dst)]
-    chunks = _run_plan(dest_pages, slots, dst, store)
-    # Many runs of source slots: one span range (fewer ops); few: several.
-    assert (chunks == 1) == (source == "shuffled")
-    for got, want in zip(dst, expected, strict=True):
-        assert same_bytes(got, want)  # every page landed, no other row moved
+    pieces = _run_plan(dest_pages, slots, dst, store)
+    # Small pieces cut each page's spans; by default a piece is whole runs.
+    segments = len(plan_segments(slots))
+    want = {None: segments, 1: pages * parts, 2: pages * 2}[piece_rows]
+    assert pieces == want
+    for got, want_rows in zip(dst, expected, strict=True):
+        assert same_bytes(got, want_rows)  # every page landed, no other row moved
 
 
 def test_restore_plan_refuses_parts_that_are_not_one_slot() -> None:
@@ -229,7 +240,7 @@ def test_scratch_sized_for_the_largest_page_never_grows() -> None:
 
 
 def test_a_layer_completes_only_once_every_span_of_it_landed(monkeypatch) -> None:
-    """CPU restore through a linker: spans move in a few ranges, and each layer is
+    """CPU restore through a linker: each layer is
     reported complete (to layer-wise loading) only after its K and V rows of
     every page are in place, in layer order, every layer exactly once."""
     from cpu_harness.kvcr_pages import (

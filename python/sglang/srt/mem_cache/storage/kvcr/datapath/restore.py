@@ -29,6 +29,7 @@ from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import (
     CpuRestorePlan,
     SpanRestore,
 )
+from sglang.srt.mem_cache.storage.kvcr.datapath.row_team import RowTeam, TeamStuck
 from sglang.srt.mem_cache.storage.kvcr.datapath.span_rows import SpanRows, span_rows
 from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
     DeviceBinding,
@@ -178,6 +179,13 @@ class Restorer:
         self.counter = counter
         self.stats = stats
         self.span_restore = span_restore
+        # CPU pools' copies: the scheduler thread and helpers as many as torch's
+        # intra-op threads (read here, on the scheduler thread).
+        self.team = (
+            RowTeam(0)
+            if device.is_cuda
+            else RowTeam.sized_for(torch.get_num_threads(), name=f"{name}-rows")
+        )
         self._device = device
         self._page_bytes = {p.name: p.page_bytes for p in layout.pools}
         self._queued: dict[str, LoadJob] = {}
@@ -291,7 +299,7 @@ class Restorer:
         if self.thread.is_alive():
             logger.error("KVCR restore loader did not stop within %.1f s", timeout_s)
             return False
-        return True
+        return self.team.close(timeout_s) and not self.team.stuck
 
     def close_span(self) -> None:
         """Unlock the span restorer's scratch: only once nothing can copy from it
@@ -334,6 +342,8 @@ class Restorer:
                 drain(stream)  # queued writes land before the slots are given back
             except BaseException:
                 logger.exception("KVCR restore stream could not be drained")
+            if isinstance(exc, TeamStuck):
+                self.dead = exc  # a helper may still copy: restores stop for good
             self._pause()
             self.counter.fail(index, exc)
             return
@@ -376,39 +386,18 @@ class Restorer:
             for layer in range(self.layout.num_layers):
                 self.counter.complete(index, layer)
             return
-        plans = {
-            name: CpuRestorePlan(
-                dest,
-                slots,
-                self._rows_of(name),
-                self._dram.storage[name],
-            )
+        pieces = [
+            piece
             for name, (dest, slots) in moves.items()
-        }
-        # Span ranges in rounds; a layer completes once every span of it is in
-        # place in every pool (in layer order, as layer-wise loading waits).
-        pools = {pool.name: pool for pool in self.layout.pools}
-        last = {
-            name: [
-                max(pools[name].layer_part_indices(layer), default=-1)
-                for layer in range(self.layout.num_layers)
-            ]
-            for name in plans
-        }
-        copied = dict.fromkeys(plans, 0)
-        done = 0
-        rounds = max((len(p.bounds) - 1 for p in plans.values()), default=0)
-        for chunk in range(rounds):
-            for name, plan in plans.items():
-                if chunk < len(plan.bounds) - 1:
-                    copied[name] = plan.copy_chunk(chunk)
-            while done < self.layout.num_layers and all(
-                last[name][done] < copied[name] for name in plans
-            ):
-                self.counter.complete(index, done)
-                done += 1
-        for layer in range(done, self.layout.num_layers):
-            self.counter.complete(index, layer)  # layers with no span moved
+            for piece in CpuRestorePlan(
+                dest, slots, self._rows_of(name), self._dram.storage[name]
+            ).pieces()
+        ]
+        # Inline on the scheduler thread: the forward cannot start before every
+        # layer is in place anyway, so the layers complete together.
+        self.team.run(pieces)
+        for layer in range(self.layout.num_layers):
+            self.counter.complete(index, layer)
 
     def _rows_of(self, name: str) -> SpanRows:
         rows = self._span_rows.get(name)

@@ -4,9 +4,9 @@ A restore moves, for every page, each of its spans (one row per part of its one
 KVCR slot) into the pool's per-layer buffers. A batch is planned once: pages are
 grouped into runs whose source slots advance by one stride (KVCR hands out slots
 in order, so filled DRAM gives long runs). On CPU (``CpuRestorePlan``) each run
-moves every span of its pages with one ``index_put_`` into the pool viewed as
-rows of one tensor (``span_rows``), on 16-byte elements where offsets allow,
-spread over torch's intra-op threads whatever the destination order. On CUDA
+moves as blocks of rows into the pool viewed as rows of one tensor
+(``span_rows``), on 16-byte elements where offsets allow, shared out among a
+``RowTeam`` whatever the destination order. On CUDA
 (``SpanRestore``) each run moves from page-locked KVCR DRAM as one contiguous
 host-to-device copy and is scattered on the device.
 """
@@ -19,6 +19,11 @@ from typing import Any
 
 import torch
 
+from sglang.srt.mem_cache.storage.kvcr.datapath.row_team import (
+    Piece,
+    cuts,
+    scatter_piece,
+)
 from sglang.srt.mem_cache.storage.kvcr.datapath.span_rows import SpanRows
 from sglang.srt.mem_cache.storage.kvcr.device.device_streams import wait_event
 from sglang.srt.mem_cache.storage.kvcr.device.host_memory import HostMemory
@@ -75,17 +80,12 @@ class CpuRestorePlan:
     """One batch's CPU restore of one pool, planned once: every page's slot rows
     into its destination page rows.
 
-    The pool's spans are viewed as rows of one tensor (``span_rows``), so each run
-    of source slots moves with one ``index_put_`` of every span of its pages (one
-    pass over the bytes, one parallel region). The spans go in up to ``CHUNKS``
-    contiguous ranges (fewer when the source is split into many runs), so layers
-    can complete in a few steps for layer-wise loading. A page's parts must be
-    the adjacent rows of its one slot (``block_part_rows``); anything else is
-    refused before a byte moves.
+    The pool's spans are viewed as rows of one tensor (``span_rows``), so a run
+    of source slots moves as pieces of (pages, spans) blocks, each one numpy
+    indexed assignment of every row in it; a ``RowTeam`` shares the pieces out.
+    A page's parts must be the adjacent rows of its one slot
+    (``block_part_rows``); anything else is refused before a byte moves.
     """
-
-    CHUNKS = 4
-    MAX_OPS = 16  # fewer span ranges past this many runs x ranges
 
     def __init__(
         self,
@@ -99,28 +99,34 @@ class CpuRestorePlan:
             if len(parts) != spans or parts[-1] - parts[0] != spans - 1:
                 raise ValueError("a restored page's parts are not one slot's rows")
         elem = rows.elem(store)
-        self.dst = rows.rows(elem)
+        self.dst = rows.rows(elem).numpy()
         self.src = rows.slot_rows(store, elem)
-        self.index = rows.index(dest_pages, elem)  # (pages, spans)
+        self.index = rows.index(dest_pages, elem).numpy()  # (pages, spans)
         self.segments = plan_segments(src_slots)
-        chunks = max(
-            1, min(self.CHUNKS, spans, self.MAX_OPS // max(1, len(self.segments)))
-        )
-        self.bounds = [spans * i // chunks for i in range(chunks + 1)]
+        self.row_bytes = rows.width
 
-    def copy_chunk(self, chunk: int) -> int:
-        """Copy span range ``chunk`` of every page; returns the spans copied so
-        far (spans ``[0, returned)`` are in place)."""
-        lo, hi = self.bounds[chunk], self.bounds[chunk + 1]
-        width = self.src.shape[1]
+    def pieces(self) -> list[Piece]:
+        """The whole copy as pieces of up to ``PIECE_BYTES`` (whole rows)."""
+        spans = self.index.shape[1]
+        span_cuts = cuts(spans, self.row_bytes)
+        out: list[Piece] = []
         for seg in self.segments:
-            values = self.src.as_strided(
-                (seg.stop - seg.start, hi - lo, width),
-                (seg.stride * width, width, 1),
-                self.src.storage_offset() + (seg.first[0] + lo) * width,
-            )
-            self.dst.index_put_((self.index[seg.start : seg.stop, lo:hi],), values)
-        return hi
+            page_cuts = cuts(seg.stop - seg.start, self.row_bytes * spans)
+            for a, b in page_cuts:
+                for lo, hi in span_cuts if b - a == 1 else [(0, spans)]:
+                    out.append(self.piece(seg, seg.start + a, seg.start + b, lo, hi))
+        return out
+
+    def piece(self, seg: Segment, start: int, stop: int, lo: int, hi: int) -> Piece:
+        """Spans ``[lo, hi)`` of pages ``[start, stop)`` of segment ``seg``."""
+        width = self.src.shape[1]
+        values = self.src.as_strided(
+            (stop - start, hi - lo, width),
+            (seg.stride * width, width, 1),
+            self.src.storage_offset()
+            + (seg.first[0] + (start - seg.start) * seg.stride + lo) * width,
+        )
+        return scatter_piece(self.dst, self.index[start:stop, lo:hi], values.numpy())
 
 
 class SpanRestore:
