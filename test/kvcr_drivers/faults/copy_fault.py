@@ -33,7 +33,9 @@ from kvcr_drivers.faults.common import (
     ctx,
     settle,
 )
+from sglang.srt.mem_cache.storage.kvcr.datapath import row_team
 from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import CpuRestorePlan
+from sglang.srt.mem_cache.storage.kvcr.datapath.row_team import RowTeam
 
 
 class InjectedCopyFault(Exception):
@@ -41,8 +43,8 @@ class InjectedCopyFault(Exception):
 
 
 def scenario_failed_device_copy_mid_layer(sc: Scenario) -> None:
-    """The restore copy raises on layer 1 (real UnifiedRadixCache + wrapper): the
-    batch's load reports failure, SGLang aborts exactly that request with its
+    """The restore copy raises on layer 1 (real UnifiedRadixCache + wrapper) while
+    the other layers' pieces copy: the batch's load reports failure, SGLang aborts exactly that request with its
     reason, layer 1 is never written and nothing enters the tree, claims are
     released, and the linker stops restoring (later requests are clean misses)."""
     stack = build_stack()
@@ -57,6 +59,12 @@ def scenario_failed_device_copy_mid_layer(sc: Scenario) -> None:
     pool = linker.layout.pools[0]
     layer1 = set(pool.layer_part_indices(1))
     make_piece = CpuRestorePlan.piece
+    # Pieces of one row (one span of one page), copied by the scheduler thread
+    # and a helper whatever this host's thread count.
+    if linker.restorer.team is not None:
+        linker.restorer.team.close(WAIT_S)
+    linker.restorer.team = RowTeam(1, "copy-fault-rows")
+    piece_bytes, row_team.PIECE_BYTES = row_team.PIECE_BYTES, 1
 
     def failing_piece(
         plan: CpuRestorePlan, seg: Any, start: int, stop: int, lo: int, hi: int
@@ -88,6 +96,7 @@ def scenario_failed_device_copy_mid_layer(sc: Scenario) -> None:
         failed = cache.finish_external_linker_loads([req])
     finally:
         CpuRestorePlan.piece = make_piece  # type: ignore[method-assign]
+        row_team.PIECE_BYTES = piece_bytes
     reason = getattr(req.discard_output_reason, "message", None) or str(
         req.discard_output_reason
     )
@@ -105,6 +114,13 @@ def scenario_failed_device_copy_mid_layer(sc: Scenario) -> None:
         ]
     )
     sc.check("layer 1 was never written", not layer1.any())
+    layer0 = torch.cat(
+        [
+            buf[private].reshape(-1).view(torch.uint8)
+            for buf in (kvcache.k_buffer[0], kvcache.v_buffer[0])
+        ]
+    )
+    sc.check("the other pieces copied (layer 0 landed)", bool(layer0.any()))
     cache.on_release(req, checkpointed=False)
     sc.check("claims released after the failed copy", settle(linker) == (0, 0))
     sc.check("the loader thread survived", linker.restorer.thread.is_alive())

@@ -36,13 +36,16 @@ def test_plan_segments_breaks_on_stride_change_and_backwards_steps() -> None:
 
 
 def _layout(rng, source, dest, *, parts, pages, objects, dest_rows):
-    """Source slots (object-major, optionally shuffled or in two runs) and
+    """Source slots (object-major, optionally shuffled, in two runs or every
+    other slot) and
     destination pages (consecutive or scattered) for one planned restore."""
     order = list(range(objects))
     if source == "shuffled":
         rng.shuffle(order)
     elif source == "two_runs":
         order = order[5 : 5 + pages // 2] + order[: pages - pages // 2]
+    elif source == "gapped":  # one run whose stride is two slots, not one
+        order = order[::2] + order[1::2]
     slots = [tuple(o * parts + p for p in range(parts)) for o in order[:pages]]
     if dest == "contiguous":
         return slots, list(range(4, 4 + pages))
@@ -60,10 +63,13 @@ def _reference(dst, dest_pages, src, slots, part):
     return out
 
 
-def _run_plan(dest_pages, slots, parts, store) -> int:
+def _run_plan(dest_pages, slots, parts, store, torch_copy=False) -> int:
     """A CPU restore plan of ``parts`` (separate span tensors) run by a team of
-    two threads; returns how many pieces it took."""
+    two threads, or by torch (``torch_copy``); returns how many pieces it took."""
     plan = CpuRestorePlan(dest_pages, slots, span_rows(parts), store)
+    if torch_copy:
+        plan.copy()
+        return 0
     pieces = plan.pieces()
     team = RowTeam(1)
     try:
@@ -73,16 +79,19 @@ def _run_plan(dest_pages, slots, parts, store) -> int:
     return len(pieces)
 
 
-@pytest.mark.parametrize("piece_rows", [None, 1, 2])  # None: the default size
+# "torch": no team (a pinned scheduler thread); else pieces of the default size,
+# of single rows, or of (page, 2 spans) blocks.
+@pytest.mark.parametrize("engine", ["torch", "pieces", "1-row", "2-row"])
 @pytest.mark.parametrize("row_bytes", [64, 36])  # 36: rows of 4-byte elements
-@pytest.mark.parametrize("source", ["object_major", "shuffled", "two_runs"])
+@pytest.mark.parametrize("source", ["object_major", "shuffled", "two_runs", "gapped"])
 @pytest.mark.parametrize("dest", ["contiguous", "scattered"])
 def test_restore_plan_matches_row_copies(
-    row_bytes, source, dest, piece_rows, monkeypatch
+    row_bytes, source, dest, engine, monkeypatch
 ) -> None:
     rng = random.Random(f"{row_bytes}{source}{dest}")
     parts, pages, store_rows = 3, 30, 120
-    if piece_rows is not None:  # pieces of single rows or (page, 2 spans) blocks
+    piece_rows = {"1-row": 1, "2-row": 2}.get(engine)
+    if piece_rows is not None:
         monkeypatch.setattr(row_team, "PIECE_BYTES", piece_rows * row_bytes)
     store = torch.randint(0, 256, (store_rows, row_bytes), dtype=torch.uint8)
     slots, dest_pages = _layout(
@@ -96,10 +105,14 @@ def test_restore_plan_matches_row_copies(
     )
     dst = [torch.randint(0, 256, (80, row_bytes), dtype=torch.uint8) for _ in range(3)]
     expected = [_reference(d, dest_pages, store, slots, i) for i, d in enumerate(dst)]
-    pieces = _run_plan(dest_pages, slots, dst, store)
-    # Small pieces cut each page's spans; by default a piece is whole runs.
-    segments = len(plan_segments(slots))
-    want = {None: segments, 1: pages * parts, 2: pages * 2}[piece_rows]
+    pieces = _run_plan(dest_pages, slots, dst, store, torch_copy=engine == "torch")
+    # Small pieces cut each page's spans; by default a piece is a whole run.
+    want = {
+        "torch": 0,
+        "pieces": len(plan_segments(slots)),
+        "1-row": pages * parts,
+        "2-row": pages * 2,
+    }[engine]
     assert pieces == want
     for got, want_rows in zip(dst, expected, strict=True):
         assert same_bytes(got, want_rows)  # every page landed, no other row moved

@@ -1,9 +1,11 @@
 """The CPU restore's row-copy team (datapath/row_team.py): pieces shared out
-between the caller and helper threads, errors and stuck helpers reported, and a
-stuck helper stopping restores for good."""
+between the caller and helper threads, errors reported after every taken piece
+ended, a slow helper always waited for, and no team where SGLang pinned the
+scheduler thread to one core (torch's pinned threads copy instead)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -11,22 +13,19 @@ import pytest
 import torch
 
 from cpu_harness.kvcr_pages import (
-    LinkerRequestContext,
     fill_random,
     hashes_for,
-    kv_transfer,
     make_linker,
     make_pool,
     offload_and_commit,
+    page_bytes,
     prepare,
     restore,
-    wait_until,
 )
 from sglang.srt.mem_cache.storage.kvcr.datapath import row_team
 from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import CpuRestorePlan
 from sglang.srt.mem_cache.storage.kvcr.datapath.row_team import (
     RowTeam,
-    TeamStuck,
     cuts,
     scatter_piece,
 )
@@ -36,7 +35,7 @@ from sglang.srt.mem_cache.storage.kvcr.datapath.row_team import (
 def team():
     t = RowTeam(1)
     yield t
-    t.close(5.0)
+    assert t.close(5.0)
 
 
 def test_cuts_cover_every_row_once_in_pieces_of_about_piece_bytes(monkeypatch):
@@ -46,25 +45,31 @@ def test_cuts_cover_every_row_once_in_pieces_of_about_piece_bytes(monkeypatch):
     assert cuts(0, 30) == []
 
 
-def test_pieces_run_on_the_caller_and_its_helper(team):
-    """While the caller holds a piece, the helper takes the next ones."""
-    ran: dict[int, threading.Thread] = {}
-    caller = threading.current_thread()
-    helper_ran = threading.Event()
+def _held_until_both_ran(caller: threading.Thread, ran: dict[int, bool]):
+    """Pieces that each wait (bounded) until the caller and a helper have both
+    taken one, so neither can run them all alone."""
+    both = threading.Event()
+    lock = threading.Lock()
 
     def piece(i: int):
         def run() -> None:
-            ran[i] = threading.current_thread()
-            if ran[i] is caller:
-                helper_ran.wait(5.0)  # held until the helper took one
-            else:
-                helper_ran.set()
+            with lock:
+                ran[i] = threading.current_thread() is caller
+                if len(set(ran.values())) == 2:
+                    both.set()
+            both.wait(5.0)
 
         return run
 
+    return piece
+
+
+def test_pieces_run_on_the_caller_and_its_helper(team):
+    ran: dict[int, bool] = {}  # piece -> run by the caller
+    piece = _held_until_both_ran(threading.current_thread(), ran)
     team.run([piece(i) for i in range(6)])
     assert sorted(ran) == list(range(6))
-    assert {t is caller for t in ran.values()} == {True, False}
+    assert set(ran.values()) == {True, False}
 
 
 def test_a_scatter_in_pieces_matches_a_plain_assignment(team, monkeypatch):
@@ -91,73 +96,93 @@ def test_a_failed_piece_raises_after_the_pieces_taken_and_stops_the_rest(team):
     with pytest.raises(ValueError, match="piece failed"):
         team.run([bad] + [ok(i) for i in range(50)])
     assert len(done) < 50  # the rest never ran
-    assert not team.stuck
     team.run([ok(99)])  # the team still works
+    assert done[-1] == 99
 
 
-def test_a_helper_holding_a_piece_past_the_bound_makes_the_team_stuck(team):
-    release, helper_took = threading.Event(), threading.Event()
+def test_a_slow_helper_is_waited_for_and_logged(team, monkeypatch, caplog):
+    """The caller never returns while a helper still holds a piece (its pages
+    would be given back while written): past SLOW_S it logs and keeps waiting."""
+    monkeypatch.setattr(row_team, "SLOW_S", 0.1)
     caller = threading.current_thread()
+    helper_took = threading.Event()
+    landed: list[float] = []
 
     def piece() -> None:
         if threading.current_thread() is caller:
             helper_took.wait(5.0)  # leave the helper a piece to hold
         else:
             helper_took.set()
-            release.wait(10.0)
+            time.sleep(0.35)
+            landed.append(time.monotonic())
 
+    with caplog.at_level(logging.ERROR, logger=row_team.__name__):
+        team.run([piece] * 4)
+        returned = time.monotonic()
+    assert landed and max(landed) <= returned
+    assert any("has held a piece" in r.getMessage() for r in caplog.records)
+
+
+def test_no_team_for_one_thread_or_a_caller_pinned_to_one_cpu(monkeypatch):
+    monkeypatch.setattr(row_team.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert RowTeam.for_caller(1, "t") is None
+    teams = [RowTeam.for_caller(64, "t")]  # as wide as the CPUs it may use
+    monkeypatch.setattr(row_team, "MAX_THREADS", 3)
+    teams.append(RowTeam.for_caller(4, "t"))
     try:
-        with pytest.raises(TeamStuck):
-            team.run([piece] * 4, stuck_s=0.2)
-        assert team.stuck
-        with pytest.raises(TeamStuck):  # refused at once from now on
-            team.run([lambda: None])
+        assert [t.size for t in teams if t is not None] == [4, 3]
     finally:
-        release.set()
-    assert team.close(5.0)  # the helper came back: the threads stop
+        assert all(t.close(5.0) for t in teams if t is not None)
+    monkeypatch.setattr(row_team.os, "sched_getaffinity", lambda pid: {5})
+    assert RowTeam.for_caller(2, "t") is None  # SGLang's one core per thread
 
 
-def test_a_stuck_restore_helper_fails_the_load_and_stops_restores(monkeypatch):
-    """A helper still writing the pool after the bound: that load fails, the
-    restorer never copies again (later lookups miss), and its close reports
-    it was not quiet, so the caller keeps the DRAM quarantined."""
-    monkeypatch.setattr(row_team, "PIECE_BYTES", 1)  # many pieces
-    monkeypatch.setattr(row_team, "STUCK_S", 0.2)
+@pytest.mark.parametrize("teamed", [True, False])
+def test_a_linker_restore_is_byte_exact_with_and_without_a_team(teamed, monkeypatch):
+    """Without a team (pinned scheduler thread) torch's index_put_ copies; with
+    one, pieces of single rows go to the caller and a slow helper, and the load
+    only finishes once the helper's pieces landed."""
+    monkeypatch.setattr(row_team, "PIECE_BYTES", 1)  # a piece per row
+    monkeypatch.setattr(
+        RowTeam,
+        "for_caller",
+        classmethod(lambda cls, n, name: cls(1, name) if teamed else None),
+    )
     pool = make_pool()
-    fill_random(pool, [1, 2], seed=5)
+    src, dst = [1, 2, 3], [20, 9, 14]
+    fill_random(pool, src, seed=5)
+    want = [page_bytes(pool, p).clone() for p in src]
     lk = make_linker(pool)
-    release, helper_took = threading.Event(), threading.Event()
     caller = threading.current_thread()
-    make_piece = CpuRestorePlan.piece
+    make_piece = CpuRestorePlan.pieces
+    helper_ran: list[bool] = []
+    helper_took = threading.Event()
 
-    def piece(plan, *args):
-        run = make_piece(plan, *args)
+    def pieces(plan):
+        def slow(run):
+            def piece() -> None:
+                if threading.current_thread() is caller:
+                    helper_took.wait(5.0)  # leave the helper pieces to hold
+                else:
+                    helper_took.set()
+                    helper_ran.append(True)
+                    time.sleep(0.002)  # lands after the caller ran out
+                run()
 
-        def held() -> None:
-            if threading.current_thread() is caller:
-                helper_took.wait(5.0)  # leave the helper a piece to hold
-            else:
-                helper_took.set()
-                release.wait(10.0)
-            run()
+            return piece
 
-        return held
+        return [slow(run) for run in make_piece(plan)]
 
+    monkeypatch.setattr(CpuRestorePlan, "pieces", pieces)
     try:
-        assert lk.restorer.team.size == 2
-        hashes = hashes_for(2, "stuck")
-        assert offload_and_commit(lk, hashes, [1, 2]) is True
+        assert (lk.restorer.team is not None) == teamed
+        hashes = hashes_for(3, "teamed")
+        assert offload_and_commit(lk, hashes, src) is True
         prepare(lk, "r", hashes)
-        monkeypatch.setattr(CpuRestorePlan, "piece", piece)
-        assert restore(lk, "r", hashes, [20, 21]) is False
-        assert lk.restorer.dead is not None and lk.restorer.paused
-        handle = lk.prepare_request(LinkerRequestContext("r2"), kv_transfer(hashes))
-        wait_until(lambda: lk.preparation_ready(handle), what="prepare")
-        assert lk.lookup("r2", kv_transfer(hashes)) == []
-        lk.release_request("r2")
-    finally:
-        release.set()
-    try:
-        assert lk.restorer.close(5.0) is False
+        assert restore(lk, "r", hashes, dst) is True
+        lk.finish_request("r")
+        for page, expected in zip(dst, want, strict=True):
+            assert torch.equal(page_bytes(pool, page), expected)
+        assert bool(helper_ran) == teamed
     finally:
         lk.close()

@@ -6,8 +6,8 @@ computed it: no host sync) and the source DRAM slots, ``complete`` only when eve
 page is claimed in every pool it needs. ``Restorer`` queues jobs, starts them as a
 layer-counter batch, copies claimed KVCR DRAM slots into the request's device
 slots (on its loader thread, fenced after the forward stream, for GPU pools;
-inline for CPU pools, which need the forward's cores), and settles each batch
-into per-request verdicts and the claims to release. A failed copy pauses new
+inline for CPU pools, which need the forward's cores: see ``row_team``), and
+settles each batch into per-request verdicts and the claims to release. A failed copy pauses new
 restores with a doubling backoff. It touches no KVCR API.
 """
 
@@ -29,7 +29,7 @@ from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import (
     CpuRestorePlan,
     SpanRestore,
 )
-from sglang.srt.mem_cache.storage.kvcr.datapath.row_team import RowTeam, TeamStuck
+from sglang.srt.mem_cache.storage.kvcr.datapath.row_team import RowTeam
 from sglang.srt.mem_cache.storage.kvcr.datapath.span_rows import SpanRows, span_rows
 from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
     DeviceBinding,
@@ -180,11 +180,11 @@ class Restorer:
         self.stats = stats
         self.span_restore = span_restore
         # CPU pools' copies: the scheduler thread and helpers as many as torch's
-        # intra-op threads (read here, on the scheduler thread).
+        # intra-op threads (read here, on the scheduler thread), if any.
         self.team = (
-            RowTeam(0)
+            None
             if device.is_cuda
-            else RowTeam.sized_for(torch.get_num_threads(), name=f"{name}-rows")
+            else RowTeam.for_caller(torch.get_num_threads(), f"{name}-rows")
         )
         self._device = device
         self._page_bytes = {p.name: p.page_bytes for p in layout.pools}
@@ -239,9 +239,9 @@ class Restorer:
             fences = self._device.record_fences(forward_stream)
             self.jobs.put((index, jobs, fences))
         else:
-            # CPU pools: copy now on this thread's intra-op threads. The forward
-            # needs the same cores, and a loader thread's own OpenMP team would
-            # contend with the scheduler's for them.
+            # CPU pools: copy now on this thread (and its row team, or else its
+            # intra-op threads). The forward needs the same cores, and a loader
+            # thread's own OpenMP team would contend with the scheduler's.
             self.run_copy(index, jobs)
         return index
 
@@ -296,10 +296,12 @@ class Restorer:
         """Stop the loader thread (bounded); False if it is still running."""
         self.jobs.put(None)
         self.thread.join(timeout_s)
+        # The team only copies on the scheduler thread (this one): idle now.
+        team_stopped = self.team is None or self.team.close(timeout_s)
         if self.thread.is_alive():
             logger.error("KVCR restore loader did not stop within %.1f s", timeout_s)
             return False
-        return self.team.close(timeout_s) and not self.team.stuck
+        return team_stopped
 
     def close_span(self) -> None:
         """Unlock the span restorer's scratch: only once nothing can copy from it
@@ -342,8 +344,6 @@ class Restorer:
                 drain(stream)  # queued writes land before the slots are given back
             except BaseException:
                 logger.exception("KVCR restore stream could not be drained")
-            if isinstance(exc, TeamStuck):
-                self.dead = exc  # a helper may still copy: restores stop for good
             self._pause()
             self.counter.fail(index, exc)
             return
@@ -386,16 +386,17 @@ class Restorer:
             for layer in range(self.layout.num_layers):
                 self.counter.complete(index, layer)
             return
-        pieces = [
-            piece
+        plans = [
+            CpuRestorePlan(dest, slots, self._rows_of(name), self._dram.storage[name])
             for name, (dest, slots) in moves.items()
-            for piece in CpuRestorePlan(
-                dest, slots, self._rows_of(name), self._dram.storage[name]
-            ).pieces()
         ]
         # Inline on the scheduler thread: the forward cannot start before every
         # layer is in place anyway, so the layers complete together.
-        self.team.run(pieces)
+        if self.team is None:
+            for plan in plans:
+                plan.copy()
+        else:
+            self.team.run([piece for plan in plans for piece in plan.pieces()])
         for layer in range(self.layout.num_layers):
             self.counter.complete(index, layer)
 

@@ -82,8 +82,10 @@ class CpuRestorePlan:
 
     The pool's spans are viewed as rows of one tensor (``span_rows``), so a run
     of source slots moves as pieces of (pages, spans) blocks, each one numpy
-    indexed assignment of every row in it; a ``RowTeam`` shares the pieces out.
-    A page's parts must be the adjacent rows of its one slot
+    indexed assignment of every row in it, which a ``RowTeam`` shares out
+    (``pieces``); without a team (SGLang pinned the scheduler thread to one core)
+    each run is one torch ``index_put_`` over torch's own pinned threads
+    (``copy``). A page's parts must be the adjacent rows of its one slot
     (``block_part_rows``); anything else is refused before a byte moves.
     """
 
@@ -99,11 +101,18 @@ class CpuRestorePlan:
             if len(parts) != spans or parts[-1] - parts[0] != spans - 1:
                 raise ValueError("a restored page's parts are not one slot's rows")
         elem = rows.elem(store)
-        self.dst = rows.rows(elem).numpy()
+        self.dst = rows.rows(elem)
         self.src = rows.slot_rows(store, elem)
-        self.index = rows.index(dest_pages, elem).numpy()  # (pages, spans)
+        self.index = rows.index(dest_pages, elem)  # (pages, spans)
         self.segments = plan_segments(src_slots)
         self.row_bytes = rows.width
+
+    def copy(self) -> None:
+        """The whole copy, one ``index_put_`` per segment (torch's threads)."""
+        spans = self.index.shape[1]
+        for seg in self.segments:
+            values = self._values(seg, seg.start, seg.stop, 0, spans)
+            self.dst.index_put_((self.index[seg.start : seg.stop],), values)
 
     def pieces(self) -> list[Piece]:
         """The whole copy as pieces of up to ``PIECE_BYTES`` (whole rows)."""
@@ -111,22 +120,29 @@ class CpuRestorePlan:
         span_cuts = cuts(spans, self.row_bytes)
         out: list[Piece] = []
         for seg in self.segments:
-            page_cuts = cuts(seg.stop - seg.start, self.row_bytes * spans)
-            for a, b in page_cuts:
+            for a, b in cuts(seg.stop - seg.start, self.row_bytes * spans):
                 for lo, hi in span_cuts if b - a == 1 else [(0, spans)]:
                     out.append(self.piece(seg, seg.start + a, seg.start + b, lo, hi))
         return out
 
     def piece(self, seg: Segment, start: int, stop: int, lo: int, hi: int) -> Piece:
         """Spans ``[lo, hi)`` of pages ``[start, stop)`` of segment ``seg``."""
+        values = self._values(seg, start, stop, lo, hi).numpy()
+        index = self.index[start:stop, lo:hi].numpy()
+        return scatter_piece(self.dst.numpy(), index, values)
+
+    def _values(
+        self, seg: Segment, start: int, stop: int, lo: int, hi: int
+    ) -> torch.Tensor:
+        """Source rows of spans ``[lo, hi)`` of pages ``[start, stop)`` of
+        ``seg``, shaped (pages, spans, row)."""
         width = self.src.shape[1]
-        values = self.src.as_strided(
+        return self.src.as_strided(
             (stop - start, hi - lo, width),
             (seg.stride * width, width, 1),
             self.src.storage_offset()
             + (seg.first[0] + (start - seg.start) * seg.stride + lo) * width,
         )
-        return scatter_piece(self.dst, self.index[start:stop, lo:hi], values.numpy())
 
 
 class SpanRestore:

@@ -8,15 +8,20 @@ the whole op. A ``RowTeam`` instead cuts a copy into pieces of about
 ``PIECE_BYTES``, and the calling thread and its helper threads each take the
 next piece as they finish one; a piece is one numpy indexed assignment, which
 moves each row as one block and releases the GIL while it does. The caller
-works too, so a copy never waits on a helper busy elsewhere; it then waits, up
-to ``STUCK_S``, for the pieces helpers still hold. A helper that outlives that
-bound may still write: the team reports itself ``stuck`` and the caller fails
-the copy and stops copying for good.
+works too, so a copy never waits on a helper busy elsewhere, and then waits for
+the pieces helpers still hold: a piece is a copy of at most ``PIECE_BYTES``
+between buffers it does not lock, so it always ends, and the caller never
+returns before it did (the pages it writes are only given back after). A wait
+past ``SLOW_S`` is logged, again every ``SLOW_S``. When SGLang pinned the
+calling thread to fewer CPUs than torch's intra-op threads (its OpenMP binding,
+one core per thread), helpers would inherit that one core: ``for_caller`` gives
+no team and the caller copies with torch's own pinned threads.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -28,14 +33,9 @@ logger = logging.getLogger(__name__)
 
 PIECE_BYTES = 2 << 20  # a fraction of a millisecond at memory speed
 MAX_THREADS = 8  # a few threads saturate a socket's memory bandwidth
-STUCK_S = 30.0  # only a frozen process keeps a helper's 2 MiB copy this long
+SLOW_S = 10.0  # a helper's 2 MiB copy this late: the host is frozen or starved
 
 Piece = Callable[[], object]
-
-
-class TeamStuck(RuntimeError):
-    """A helper still held a piece at the deadline: its memory may still be
-    written."""
 
 
 class _Move:
@@ -66,7 +66,9 @@ class _Move:
                 piece()
             except BaseException as exc:
                 with self.lock:
-                    self.error = self.error or exc
+                    first, self.error = self.error is None, self.error or exc
+                if not first:  # only the first is raised to the caller
+                    logger.error("KVCR row copy: another piece failed: %r", exc)
             finally:
                 with self.lock:
                     self.running -= 1
@@ -77,7 +79,6 @@ class RowTeam:
 
     def __init__(self, helpers: int, name: str = "kvcr-rows") -> None:
         self._inbox: queue.SimpleQueue[_Move | None] = queue.SimpleQueue()
-        self.stuck = False
         self._threads = [
             threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True)
             for i in range(max(0, helpers))
@@ -86,30 +87,29 @@ class RowTeam:
             thread.start()
 
     @classmethod
-    def sized_for(cls, intra_op_threads: int, name: str = "kvcr-rows") -> RowTeam:
-        """A team as wide as torch's intra-op threads (at most ``MAX_THREADS``)."""
-        return cls(min(MAX_THREADS, max(1, intra_op_threads)) - 1, name)
+    def for_caller(cls, intra_op_threads: int, name: str) -> RowTeam | None:
+        """A team as wide as torch's intra-op threads, the CPUs the calling
+        thread may run on (helpers inherit them) and ``MAX_THREADS`` allow; None
+        when that is one (SGLang pins each OpenMP thread, the caller included,
+        to a core of its own)."""
+        width = min(MAX_THREADS, intra_op_threads, len(os.sched_getaffinity(0)))
+        return None if width < 2 else cls(width - 1, name)
 
     @property
     def size(self) -> int:
         return len(self._threads) + 1
 
-    def run(self, pieces: Sequence[Piece], stuck_s: float | None = None) -> None:
-        """Run every piece; raises the first piece's error (after every taken
-        piece finished) or ``TeamStuck`` (helpers held pieces ``stuck_s``, by
-        default ``STUCK_S``, after the caller ran out of pieces)."""
-        stuck_s = STUCK_S if stuck_s is None else stuck_s
-        if self.stuck:
-            raise TeamStuck("a helper thread never finished an earlier copy")
+    def run(self, pieces: Sequence[Piece]) -> None:
+        """Run every piece; once none is left running, raises the first piece's
+        error (the pieces after it are not run)."""
         move = _Move(pieces)
-        if len(pieces) > 1:
-            for _ in range(min(len(self._threads), len(pieces) - 1)):
-                self._inbox.put(move)
+        for _ in range(min(len(self._threads), len(pieces) - 1)):
+            self._inbox.put(move)
         move.work()
-        if not move.done.wait(stuck_s):
-            self.stuck = True
-            logger.error("KVCR row copy: a helper held a piece for %.0f s", stuck_s)
-            raise TeamStuck(f"a helper thread held a copy piece for {stuck_s:.0f} s")
+        waited = 0.0
+        while not move.done.wait(SLOW_S):  # see the module docstring
+            waited += SLOW_S
+            logger.error("KVCR row copy: a helper has held a piece %.0f s", waited)
         if move.error is not None:
             raise move.error
 
