@@ -139,7 +139,8 @@ class KVCRDirectLinker(
                 self.dram,
                 res.copier,
             )
-            self.restorer = Restorer(
+            session.log_up(self.placement, self.layout)
+            self.restorer = Restorer(  # last: it stops its own threads if it fails
                 layout=self.layout,
                 device=self._device,
                 dram=self.dram,
@@ -149,7 +150,6 @@ class KVCRDirectLinker(
                 span_restore=res.span,
                 name=f"kvcr-loader-{self.placement.label()}",
             )
-            session.log_up(self.placement, self.layout)
         except BaseException:
             adapter = None if session is None else session.adapter
             res.release(cfg.owner_wait_timeout_s, adapter)

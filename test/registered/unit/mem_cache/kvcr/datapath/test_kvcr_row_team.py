@@ -85,19 +85,34 @@ def test_a_scatter_in_pieces_matches_a_plain_assignment(team, monkeypatch):
 
 
 def test_a_failed_piece_raises_after_the_pieces_taken_and_stops_the_rest(team):
+    """The caller's piece fails while the helper still copies one: the error is
+    raised only once that piece ended (its pages are given back after), and no
+    piece is taken after the failure."""
+    caller = threading.current_thread()
+    helper_took = threading.Event()
+    ended: list[float] = []
     done: list[int] = []
 
-    def ok(i: int):
-        return lambda: (time.sleep(0.01), done.append(i))
+    def first() -> None:
+        if threading.current_thread() is caller:
+            helper_took.wait(5.0)
+            raise ValueError("piece failed")
+        helper_took.set()
+        time.sleep(0.3)
+        ended.append(time.monotonic())
 
-    def bad() -> None:
-        raise ValueError("piece failed")
+    def ok(i: int):
+        return lambda: done.append(i)
 
     with pytest.raises(ValueError, match="piece failed"):
-        team.run([bad] + [ok(i) for i in range(50)])
-    assert len(done) < 50  # the rest never ran
+        try:
+            team.run([first, first] + [ok(i) for i in range(50)])
+        finally:
+            returned = time.monotonic()
+    assert ended and ended[0] <= returned  # the helper's piece had landed
+    assert done == []  # the rest never ran
     team.run([ok(99)])  # the team still works
-    assert done[-1] == 99
+    assert done == [99]
 
 
 def test_a_slow_helper_is_waited_for_and_logged(team, monkeypatch, caplog):
@@ -186,3 +201,25 @@ def test_a_linker_restore_is_byte_exact_with_and_without_a_team(teamed, monkeypa
         assert bool(helper_ran) == teamed
     finally:
         lk.close()
+
+
+def test_a_linker_whose_loader_cannot_start_leaves_no_row_team_thread(monkeypatch):
+    """The restorer is built last; when its loader thread cannot start, it
+    stops its row team's helpers before the linker's start-up fails."""
+    started = threading.Thread.start
+    helpers: list[threading.Thread] = []
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name.startswith("kvcr-loader-") and "-rows" not in thread.name:
+            raise RuntimeError("can't start new thread")
+        if "-rows" in thread.name:
+            helpers.append(thread)
+        started(thread)
+
+    monkeypatch.setattr(
+        RowTeam, "for_caller", classmethod(lambda cls, n, name: cls(1, name))
+    )
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        make_linker(make_pool())
+    assert helpers and not any(t.is_alive() for t in helpers)

@@ -197,7 +197,12 @@ class Restorer:
             tuple[int, list[LoadJob], tuple[Any, ...]] | None
         ] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self.loader_main, name=name, daemon=True)
-        self.thread.start()
+        try:
+            self.thread.start()
+        except BaseException:
+            if self.team is not None:
+                self.team.close(1.0)
+            raise
 
     # ---- scheduler thread ----------------------------------------------------------
 

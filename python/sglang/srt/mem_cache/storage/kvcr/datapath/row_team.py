@@ -5,17 +5,21 @@ KVCR DRAM into the pool. torch's indexed copies split each op evenly between
 its intra-op threads once and move rows element by element, so one preempted
 thread (kvcr's owner thread, the copier, the client on a busy host) holds up
 the whole op. A ``RowTeam`` instead cuts a copy into pieces of about
-``PIECE_BYTES``, and the calling thread and its helper threads each take the
-next piece as they finish one; a piece is one numpy indexed assignment, which
-moves each row as one block and releases the GIL while it does. The caller
-works too, so a copy never waits on a helper busy elsewhere, and then waits for
-the pieces helpers still hold: a piece is a copy of at most ``PIECE_BYTES``
-between buffers it does not lock, so it always ends, and the caller never
-returns before it did (the pages it writes are only given back after). A wait
-past ``SLOW_S`` is logged, again every ``SLOW_S``. When SGLang pinned the
-calling thread to fewer CPUs than torch's intra-op threads (its OpenMP binding,
-one core per thread), helpers would inherit that one core: ``for_caller`` gives
-no team and the caller copies with torch's own pinned threads.
+``PIECE_BYTES`` of whole rows (one row when a row is larger), and the calling
+thread and its helper threads each take the next piece as they finish one; a
+piece is one numpy indexed assignment, which moves each row as one block and
+releases the GIL while it does. The caller works too, so a copy never waits on
+a helper busy elsewhere, and then waits for the pieces helpers still hold, also
+when a piece failed (no piece is taken after a failure): a piece is a memory
+copy between buffers it does not lock, so it always ends, and the caller never
+returns while one runs (the pages it writes are only given back after). A wait
+past ``SLOW_S`` is logged, again every ``SLOW_S``. A team is as wide as torch's
+intra-op threads and the CPUs the caller may run on allow: SGLang pins each of
+its OpenMP threads, the scheduler thread included, to one core, where helpers
+would inherit that core, so ``for_caller`` gives no team and the caller copies
+with torch's own pinned threads. numpy copies a piece's source rows first when
+they may overlap the destination's address range (KVCR DRAM lying between the
+pool's span buffers): correct, one extra pass over that piece.
 """
 
 from __future__ import annotations
@@ -83,8 +87,12 @@ class RowTeam:
             threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True)
             for i in range(max(0, helpers))
         ]
-        for thread in self._threads:
-            thread.start()
+        try:
+            for thread in self._threads:
+                thread.start()
+        except BaseException:
+            self.close(1.0)  # the ones started stop at once
+            raise
 
     @classmethod
     def for_caller(cls, intra_op_threads: int, name: str) -> RowTeam | None:
@@ -119,7 +127,8 @@ class RowTeam:
             self._inbox.put(None)
         deadline = time.monotonic() + timeout_s
         for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.ident is not None:  # started
+                thread.join(max(0.0, deadline - time.monotonic()))
         alive = [t.name for t in self._threads if t.is_alive()]
         if alive:
             logger.error("KVCR row copy threads still running: %s", alive)

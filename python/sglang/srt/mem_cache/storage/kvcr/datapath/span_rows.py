@@ -1,5 +1,6 @@
 """Every span of one CPU pool as rows of one tensor: a copy of many pages is one
-indexed op per run of slots, not one per span.
+indexed op per run of slots (the offload's gather), or per piece of one (the
+restore's ``RowTeam`` scatter), not one per span.
 
 A KVCR slot holds every span of its page in span order, and the spans of a pool
 are equally wide (``PoolLayout``), so the slots of a run are consecutive rows of
