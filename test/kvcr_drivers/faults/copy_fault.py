@@ -67,7 +67,7 @@ def scenario_failed_device_copy_mid_layer(sc: Scenario) -> None:
     piece_bytes, row_team.PIECE_BYTES = row_team.PIECE_BYTES, 1
 
     def failing_piece(
-        plan: CpuRestorePlan, seg: Any, start: int, stop: int, lo: int, hi: int
+        plan: CpuRestorePlan, dst: Any, index: Any, values: Any, lo: int, hi: int
     ) -> Any:
         """A piece of the CPU restore: raises, before writing, when its span
         range holds part of layer 1 (the other pieces copy)."""
@@ -77,7 +77,7 @@ def scenario_failed_device_copy_mid_layer(sc: Scenario) -> None:
                 raise InjectedCopyFault("injected device copy fault on layer 1")
 
             return fail
-        return make_piece(plan, seg, start, stop, lo, hi)
+        return make_piece(plan, dst, index, values, lo, hi)
 
     def admit(rid: str) -> Any:
         req = stack.make_req(rid, [*prefix, 7, 8])

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from sglang.srt.mem_cache.storage.kvcr.datapath.row_team import (
@@ -117,19 +118,25 @@ class CpuRestorePlan:
     def pieces(self) -> list[Piece]:
         """The whole copy as pieces of up to ``PIECE_BYTES`` (whole rows)."""
         spans = self.index.shape[1]
+        dst, index = self.dst.numpy(), self.index.numpy()
         span_cuts = cuts(spans, self.row_bytes)
         out: list[Piece] = []
         for seg in self.segments:
+            # One view of the segment's source rows, sliced per piece.
+            values = self._values(seg, seg.start, seg.stop, 0, spans).numpy()
+            at = index[seg.start : seg.stop]
             for a, b in cuts(seg.stop - seg.start, self.row_bytes * spans):
                 for lo, hi in span_cuts if b - a == 1 else [(0, spans)]:
-                    out.append(self.piece(seg, seg.start + a, seg.start + b, lo, hi))
+                    out.append(
+                        self.piece(dst, at[a:b, lo:hi], values[a:b, lo:hi], lo, hi)
+                    )
         return out
 
-    def piece(self, seg: Segment, start: int, stop: int, lo: int, hi: int) -> Piece:
-        """Spans ``[lo, hi)`` of pages ``[start, stop)`` of segment ``seg``."""
-        values = self._values(seg, start, stop, lo, hi).numpy()
-        index = self.index[start:stop, lo:hi].numpy()
-        return scatter_piece(self.dst.numpy(), index, values)
+    def piece(
+        self, dst: np.ndarray, index: np.ndarray, values: np.ndarray, lo: int, hi: int
+    ) -> Piece:
+        """The rows of spans ``[lo, hi)`` of some pages: ``dst[index] = values``."""
+        return scatter_piece(dst, index, values)
 
     def _values(
         self, seg: Segment, start: int, stop: int, lo: int, hi: int
