@@ -44,8 +44,8 @@ class InjectedCopyFault(Exception):
 
 def scenario_failed_device_copy_mid_layer(sc: Scenario) -> None:
     """The restore copy raises on layer 1 (real UnifiedRadixCache + wrapper) while
-    the other layers' pieces copy: the batch's load reports failure, SGLang aborts exactly that request with its
-    reason, layer 1 is never written and nothing enters the tree, claims are
+    the other layers' pieces copy: the batch's load reports failure, SGLang
+    aborts exactly that request with its reason, layer 1 is never written and nothing enters the tree, claims are
     released, and the linker stops restoring (later requests are clean misses)."""
     stack = build_stack()
     h = Harness(sc)
@@ -64,7 +64,6 @@ def scenario_failed_device_copy_mid_layer(sc: Scenario) -> None:
     if linker.restorer.team is not None:
         linker.restorer.team.close(WAIT_S)
     linker.restorer.team = RowTeam(1, "copy-fault-rows")
-    piece_bytes, row_team.PIECE_BYTES = row_team.PIECE_BYTES, 1
 
     def failing_piece(
         plan: CpuRestorePlan, dst: Any, index: Any, values: Any, lo: int, hi: int
@@ -91,6 +90,7 @@ def scenario_failed_device_copy_mid_layer(sc: Scenario) -> None:
     stack.load_back(req)
     private = cache.linker.private_load_indices[req.rid].clone()
     CpuRestorePlan.piece = failing_piece  # type: ignore[method-assign]
+    piece_bytes, row_team.PIECE_BYTES = row_team.PIECE_BYTES, 1
     try:
         sc.check("the load batch starts", cache.ready_to_load_host_cache() >= 0)
         failed = cache.finish_external_linker_loads([req])

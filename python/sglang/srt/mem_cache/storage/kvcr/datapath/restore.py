@@ -7,8 +7,8 @@ page is claimed in every pool it needs. ``Restorer`` queues jobs, starts them as
 layer-counter batch, copies claimed KVCR DRAM slots into the request's device
 slots (on its loader thread, fenced after the forward stream, for GPU pools;
 inline for CPU pools, which need the forward's cores: see ``row_team``), and
-settles each batch into per-request verdicts and the claims to release. A failed copy pauses new
-restores with a doubling backoff. It touches no KVCR API.
+settles each batch into per-request verdicts and the claims to release. A failed
+copy pauses new restores with a doubling backoff. It touches no KVCR API.
 """
 
 from __future__ import annotations

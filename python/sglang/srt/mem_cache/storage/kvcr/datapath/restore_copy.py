@@ -110,9 +110,8 @@ class CpuRestorePlan:
 
     def copy(self) -> None:
         """The whole copy, one ``index_put_`` per segment (torch's threads)."""
-        spans = self.index.shape[1]
         for seg in self.segments:
-            values = self._values(seg, seg.start, seg.stop, 0, spans)
+            values = self._values(seg)
             self.dst.index_put_((self.index[seg.start : seg.stop],), values)
 
     def pieces(self) -> list[Piece]:
@@ -123,7 +122,7 @@ class CpuRestorePlan:
         out: list[Piece] = []
         for seg in self.segments:
             # One view of the segment's source rows, sliced per piece.
-            values = self._values(seg, seg.start, seg.stop, 0, spans).numpy()
+            values = self._values(seg).numpy()
             at = index[seg.start : seg.stop]
             for a, b in cuts(seg.stop - seg.start, self.row_bytes * spans):
                 for lo, hi in span_cuts if b - a == 1 else [(0, spans)]:
@@ -138,17 +137,14 @@ class CpuRestorePlan:
         """The rows of spans ``[lo, hi)`` of some pages: ``dst[index] = values``."""
         return scatter_piece(dst, index, values)
 
-    def _values(
-        self, seg: Segment, start: int, stop: int, lo: int, hi: int
-    ) -> torch.Tensor:
-        """Source rows of spans ``[lo, hi)`` of pages ``[start, stop)`` of
-        ``seg``, shaped (pages, spans, row)."""
-        width = self.src.shape[1]
+    def _values(self, seg: Segment) -> torch.Tensor:
+        """Source rows of every page and span of ``seg``, shaped (pages, spans,
+        row)."""
+        spans, width = self.index.shape[1], self.src.shape[1]
         return self.src.as_strided(
-            (stop - start, hi - lo, width),
+            (seg.stop - seg.start, spans, width),
             (seg.stride * width, width, 1),
-            self.src.storage_offset()
-            + (seg.first[0] + (start - seg.start) * seg.stride + lo) * width,
+            self.src.storage_offset() + seg.first[0] * width,
         )
 
 
