@@ -10,10 +10,13 @@ is a failed offload with its slots freed, and a round trip is byte-exact.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
 import threading
+import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -433,6 +436,45 @@ def test_dram_that_moved_is_never_written():
         wait_until(lambda: job.poll() is not None, what="job")
         assert job.poll() is False
         assert int(store.count_nonzero()) == 0
+    finally:
+        assert copier.close(5)
+
+
+def test_cpu_slot_views_are_built_once_per_dram_and_keep_no_replaced_dram_alive():
+    """The copier builds a CPU pool's slot views once and reuses them while its
+    DRAM stays; they own nothing, so a replaced DRAM is freed, and the next job
+    writes the new DRAM through new views."""
+    page_rows = torch.arange(64, dtype=torch.uint8).view(4, 16) + 1
+    memory = np.zeros(8 * 16, dtype=np.uint8)  # alive while any storage of it is
+    gone = weakref.ref(memory)
+    stores = {"kv": torch.from_numpy(memory)}
+    del memory
+    copier = DramCopier(
+        {"kv": [page_rows]}, lambda: stores, DeviceBinding.of(torch.device("cpu"))
+    )
+
+    def copy(page: int, slot: int) -> None:
+        ref = SlotRef("kv", stores["kv"].data_ptr(), 16, slot)
+        job = copier.start([(page, ref)], deadline=float("inf"))
+        wait_until(lambda: job.poll() is not None, what="job")
+        assert job.poll() is True
+
+    try:
+        copy(1, 2)
+        first = copier._views["kv"]
+        copy(2, 5)
+        assert copier._views["kv"] is first  # reused, not rebuilt per job
+        old = stores["kv"].view(8, 16)
+        assert torch.equal(old[2], page_rows[1]) and torch.equal(old[5], page_rows[2])
+        del old
+        stores["kv"] = torch.zeros(16 * 16, dtype=torch.uint8)  # a new DRAM
+        gc.collect()
+        assert gone() is None  # the copier's views kept the old DRAM alive
+        copy(3, 12)  # a slot only the new DRAM has
+        assert copier._views["kv"] is not first
+        new = stores["kv"].view(16, 16)
+        assert torch.equal(new[12], page_rows[3])
+        assert int(new.count_nonzero()) == int(page_rows[3].count_nonzero())
     finally:
         assert copier.close(5)
 

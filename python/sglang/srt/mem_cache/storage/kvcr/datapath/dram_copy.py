@@ -19,6 +19,7 @@ written.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import enum
 import itertools
@@ -120,15 +121,37 @@ def plan_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SlotViews:
+    """One pool's KVCR DRAM as slot rows (``slots``, slot bytes wide) and, for a
+    CPU pool, the pool's spans and the slots as rows of ``elem``-byte elements
+    (``src``, ``dst``: ``span_rows``), for the DRAM ``key`` names (address, slot
+    bytes, slots). A CPU pool's are built once per DRAM: every torch view call
+    releases the GIL, and a copier thread beside a scheduler loop that holds it
+    then waits up to a switch interval to take it back."""
+
+    key: tuple[int, int, int]
+    slots: torch.Tensor
+    rows: SpanRows | None = None
+    elem: int = 1
+    src: torch.Tensor | None = None
+    dst: torch.Tensor | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class PoolCopy:
-    """One pool's share of a job: every span's page rows, the pool's slots as
-    rows of ``slot_bytes``, and the (page, slot) pairs in slot order."""
+    """One pool's share of a job: every span's page rows, the pool's slot views,
+    the (page, slot) pairs in slot order, and the DRAM they write, held for the
+    job (the views own nothing)."""
 
     parts: list[torch.Tensor]
-    slots_view: torch.Tensor
+    views: SlotViews
     pages: list[int]
     slots: list[int]
-    rows: SpanRows | None = None  # the spans as one row view (CPU pools)
+    store: torch.Tensor
+
+    @property
+    def slots_view(self) -> torch.Tensor:
+        return self.views.slots
 
 
 class DramCopier:
@@ -162,7 +185,7 @@ class DramCopier:
         self._device = device
         self._jobs: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
         self._scratch: torch.Tensor | None = None
-        self._rows: dict[str, SpanRows] = {}  # CPU pools, built on first use
+        self._views: dict[str, SlotViews] = {}  # CPU pools, for their current DRAM
         on_device = any(p.is_cuda for parts in sources.values() for p in parts)
         self.chunks = self.DEVICE_CHUNKS if on_device else None  # staging: host
         self.copied_bytes = 0
@@ -241,26 +264,15 @@ class DramCopier:
         slot order; refuses any pair it cannot write."""
         storage = self._storage()
         by_pool: dict[str, list[tuple[int, int]]] = {}
-        views: dict[str, torch.Tensor] = {}
-        checked: set[tuple[str, int, int]] = set()  # (pool, address, slot bytes)
+        views: dict[str, SlotViews] = {}
         for page, ref in job.pairs:
-            if (ref.pool, ref.address, ref.slot_bytes) not in checked:
-                store = storage.get(ref.pool)
-                if store is None or store.data_ptr() != ref.address:
-                    raise CopyRefused(f"KVCR DRAM of pool {ref.pool!r} was replaced")
-                extent = self._extent.get(ref.pool)
-                if extent is None or extent[1] != ref.slot_bytes:
-                    raise CopyRefused(
-                        f"{ref.pool!r} pages are not {ref.slot_bytes} bytes"
-                    )
-                count = store.numel() * store.element_size() // ref.slot_bytes
-                views[ref.pool] = store.view(torch.uint8)[
-                    : count * ref.slot_bytes
-                ].view(count, ref.slot_bytes)
-                checked.add((ref.pool, ref.address, ref.slot_bytes))
+            seen = views.get(ref.pool)
+            if seen is None or seen.key[:2] != (ref.address, ref.slot_bytes):
+                # Checked once per pool and place: another place is refused.
+                views[ref.pool] = self._slot_views(ref, storage.get(ref.pool))
             if not 0 <= page < self._extent[ref.pool][0]:
                 raise CopyRefused(f"no page {page} in pool {ref.pool!r}")
-            if not 0 <= ref.slot < views[ref.pool].shape[0]:
+            if not 0 <= ref.slot < views[ref.pool].slots.shape[0]:
                 raise CopyRefused(f"slot {ref.slot} is outside pool {ref.pool!r}")
             by_pool.setdefault(ref.pool, []).append((ref.slot, page))
         out = []
@@ -268,22 +280,48 @@ class DramCopier:
             pairs.sort()
             if any(a[0] == b[0] for a, b in itertools.pairwise(pairs)):
                 raise CopyRefused(f"a slot of pool {pool!r} is named twice")
-            parts = self._sources[pool]
-            rows = None
-            if parts[0].device.type == "cpu":
-                rows = self._rows.get(pool)
-                if rows is None:
-                    rows = self._rows[pool] = span_rows(parts)
             out.append(
                 PoolCopy(
-                    parts,
+                    self._sources[pool],
                     views[pool],
                     [page for _, page in pairs],
                     [slot for slot, _ in pairs],
-                    rows,
+                    storage[pool],
                 )
             )
         return out
+
+    def _slot_views(self, ref: SlotRef, store: torch.Tensor | None) -> SlotViews:
+        """``ref``'s pool's slot views over its current DRAM ``store``.
+
+        A CPU pool's views are built once per DRAM and own nothing (a replaced
+        DRAM is never kept alive by them): they are used only after ``store``,
+        held by the caller for the job, was seen at the same address and size."""
+        if store is None or store.data_ptr() != ref.address:
+            raise CopyRefused(f"KVCR DRAM of pool {ref.pool!r} was replaced")
+        extent = self._extent.get(ref.pool)
+        if extent is None or extent[1] != ref.slot_bytes:
+            raise CopyRefused(f"{ref.pool!r} pages are not {ref.slot_bytes} bytes")
+        count = store.numel() * store.element_size() // ref.slot_bytes
+        key = (ref.address, ref.slot_bytes, count)
+        parts = self._sources[ref.pool]
+        if parts[0].device.type != "cpu":
+            slots = store.view(torch.uint8)[: count * ref.slot_bytes]
+            return SlotViews(key, slots.view(count, ref.slot_bytes))
+        cached = self._views.get(ref.pool)
+        if cached is not None and cached.key == key:
+            return cached
+        rows = span_rows(parts)
+        if count < 1 or rows.spans * rows.width != ref.slot_bytes:
+            raise CopyRefused("pool pages and KVCR slots do not match")
+        raw = (ctypes.c_uint8 * (count * ref.slot_bytes)).from_address(ref.address)
+        slots = torch.frombuffer(raw, dtype=torch.uint8).view(count, ref.slot_bytes)
+        elem = rows.elem(slots)
+        views = SlotViews(
+            key, slots, rows, elem, rows.rows(elem), rows.slot_rows(slots, elem)
+        )
+        self._views[ref.pool] = views
+        return views
 
     def _copy_pages_device(self, group: PoolCopy) -> None:
         """Device pages -> page-locked slots: per chunk of consecutive slots, each
@@ -329,20 +367,20 @@ def _copy_pages(group: PoolCopy) -> None:
     """Host pages -> slots: per run of consecutive slots, one ``index_select`` of
     every span of its pages (``span_rows``) into the slots' rows themselves, no
     intermediate copy. Scattered slots (a churned DRAM frees them in eviction
-    order) cost one op per slot, each still every span of a page."""
-    rows = group.rows
-    if rows is None or rows.spans * rows.width != group.slots_view.shape[1]:
+    order) cost one op per slot, each still every span of a page. The row
+    numbers come from numpy and the views are the pool's cached ones, so the
+    only torch calls are one slice pair and the copy per run."""
+    v = group.views
+    if v.rows is None or v.src is None or v.dst is None:
         raise CopyRefused("pool pages and KVCR slots do not match")
-    elem = rows.elem(group.slots_view)
-    src, dst = rows.rows(elem), rows.slot_rows(group.slots_view, elem)
-    index = rows.index(group.pages, elem).view(-1)
-    spans, slots = rows.spans, group.slots
+    spans, slots = v.rows.spans, group.slots
+    index = torch.from_numpy(v.rows.index_array(group.pages, v.elem).reshape(-1))
     a, n = 0, len(slots)
     while a < n:
         b = a + 1
         while b < n and slots[b] == slots[b - 1] + 1:
             b += 1
         first = slots[a] * spans
-        out = dst[first : first + (b - a) * spans]
-        torch.index_select(src, 0, index[a * spans : b * spans], out=out)
+        out = v.dst[first : first + (b - a) * spans]
+        torch.index_select(v.src, 0, index[a * spans : b * spans], out=out)
         a = b
