@@ -479,6 +479,39 @@ def test_cpu_slot_views_are_built_once_per_dram_and_keep_no_replaced_dram_alive(
         assert copier.close(5)
 
 
+def test_a_cpu_copy_writes_the_dram_it_checked_never_a_replaced_one_of_equal_size():
+    """A DRAM replaced by one of the same size at another address (the old one
+    still held, as after an unclean close) gets new views: the next deposit
+    lands in the new DRAM and leaves the old one as it was. A DRAM that is not
+    dense host memory is refused, never written through a raw address view."""
+    page_rows = torch.arange(64, dtype=torch.uint8).view(4, 16) + 1
+    old = torch.zeros(8 * 16, dtype=torch.uint8)
+    stores = {"kv": old}
+    copier = DramCopier(
+        {"kv": [page_rows]}, lambda: stores, DeviceBinding.of(torch.device("cpu"))
+    )
+
+    def copy(page: int, slot: int) -> bool | None:
+        ref = SlotRef("kv", stores["kv"].data_ptr(), 16, slot)
+        job = copier.start([(page, ref)], deadline=float("inf"))
+        wait_until(lambda: job.poll() is not None, what="job")
+        return job.poll()
+
+    try:
+        assert copy(1, 2) is True
+        new = torch.zeros(8 * 16, dtype=torch.uint8)  # same size, old kept alive
+        stores["kv"] = new
+        assert copy(3, 2) is True
+        assert torch.equal(new.view(8, 16)[2], page_rows[3])
+        assert torch.equal(old.view(8, 16)[2], page_rows[1])  # untouched
+        backing = torch.zeros(2 * 8 * 16, dtype=torch.uint8)
+        stores["kv"] = backing[::2]  # strided: not dense
+        assert copy(2, 4) is False
+        assert int(backing.count_nonzero()) == 0
+    finally:
+        assert copier.close(5)
+
+
 def test_pages_land_in_their_slots_whatever_the_order():
     """Property: any pages into any distinct slots (runs, strides, singles), each
     slot holding every span of its page in span order."""

@@ -265,11 +265,16 @@ class DramCopier:
         storage = self._storage()
         by_pool: dict[str, list[tuple[int, int]]] = {}
         views: dict[str, SlotViews] = {}
+        stores: dict[str, torch.Tensor] = {}  # the DRAM checked, held for the job
         for page, ref in job.pairs:
             seen = views.get(ref.pool)
             if seen is None or seen.key[:2] != (ref.address, ref.slot_bytes):
                 # Checked once per pool and place: another place is refused.
-                views[ref.pool] = self._slot_views(ref, storage.get(ref.pool))
+                store = storage.get(ref.pool)
+                if store is None:
+                    raise CopyRefused(f"KVCR pool {ref.pool!r} has no DRAM")
+                views[ref.pool] = self._slot_views(ref, store)
+                stores[ref.pool] = store
             if not 0 <= page < self._extent[ref.pool][0]:
                 raise CopyRefused(f"no page {page} in pool {ref.pool!r}")
             if not 0 <= ref.slot < views[ref.pool].slots.shape[0]:
@@ -286,18 +291,18 @@ class DramCopier:
                     views[pool],
                     [page for _, page in pairs],
                     [slot for slot, _ in pairs],
-                    storage[pool],
+                    stores[pool],
                 )
             )
         return out
 
-    def _slot_views(self, ref: SlotRef, store: torch.Tensor | None) -> SlotViews:
+    def _slot_views(self, ref: SlotRef, store: torch.Tensor) -> SlotViews:
         """``ref``'s pool's slot views over its current DRAM ``store``.
 
         A CPU pool's views are built once per DRAM and own nothing (a replaced
         DRAM is never kept alive by them): they are used only after ``store``,
         held by the caller for the job, was seen at the same address and size."""
-        if store is None or store.data_ptr() != ref.address:
+        if store.data_ptr() != ref.address:
             raise CopyRefused(f"KVCR DRAM of pool {ref.pool!r} was replaced")
         extent = self._extent.get(ref.pool)
         if extent is None or extent[1] != ref.slot_bytes:
@@ -308,6 +313,10 @@ class DramCopier:
         if parts[0].device.type != "cpu":
             slots = store.view(torch.uint8)[: count * ref.slot_bytes]
             return SlotViews(key, slots.view(count, ref.slot_bytes))
+        if store.device.type != "cpu" or not store.is_contiguous():
+            raise CopyRefused(
+                f"KVCR DRAM of pool {ref.pool!r} is not dense host memory"
+            )
         cached = self._views.get(ref.pool)
         if cached is not None and cached.key == key:
             return cached
