@@ -426,6 +426,15 @@ def _copier(rows, storage):
     return DramCopier(rows, lambda: storage, DeviceBinding.of(torch.device("cpu")))
 
 
+def _copy_one(copier, stores, page: int, slot: int) -> bool | None:
+    """Copy pool page ``page`` into slot ``slot`` of the current ``kv`` DRAM;
+    whether it landed."""
+    ref = SlotRef("kv", stores["kv"].data_ptr(), 16, slot)
+    job = copier.start([(page, ref)], deadline=float("inf"))
+    wait_until(lambda: job.poll() is not None, what="job")
+    return job.poll()
+
+
 def test_dram_that_moved_is_never_written():
     parts = {"kv": [torch.arange(64, dtype=torch.uint8).view(4, 16)]}
     store = torch.zeros(8 * 16, dtype=torch.uint8)
@@ -449,20 +458,11 @@ def test_cpu_slot_views_are_built_once_per_dram_and_keep_no_replaced_dram_alive(
     gone = weakref.ref(memory)
     stores = {"kv": torch.from_numpy(memory)}
     del memory
-    copier = DramCopier(
-        {"kv": [page_rows]}, lambda: stores, DeviceBinding.of(torch.device("cpu"))
-    )
-
-    def copy(page: int, slot: int) -> None:
-        ref = SlotRef("kv", stores["kv"].data_ptr(), 16, slot)
-        job = copier.start([(page, ref)], deadline=float("inf"))
-        wait_until(lambda: job.poll() is not None, what="job")
-        assert job.poll() is True
-
+    copier = _copier({"kv": [page_rows]}, stores)
     try:
-        copy(1, 2)
+        assert _copy_one(copier, stores, 1, 2) is True
         first = copier._views["kv"]
-        copy(2, 5)
+        assert _copy_one(copier, stores, 2, 5) is True
         assert copier._views["kv"] is first  # reused, not rebuilt per job
         old = stores["kv"].view(8, 16)
         assert torch.equal(old[2], page_rows[1]) and torch.equal(old[5], page_rows[2])
@@ -470,7 +470,7 @@ def test_cpu_slot_views_are_built_once_per_dram_and_keep_no_replaced_dram_alive(
         stores["kv"] = torch.zeros(16 * 16, dtype=torch.uint8)  # a new DRAM
         gc.collect()
         assert gone() is None  # the copier's views kept the old DRAM alive
-        copy(3, 12)  # a slot only the new DRAM has
+        assert _copy_one(copier, stores, 3, 12) is True  # only the new DRAM has it
         assert copier._views["kv"] is not first
         new = stores["kv"].view(16, 16)
         assert torch.equal(new[12], page_rows[3])
@@ -487,26 +487,17 @@ def test_a_cpu_copy_writes_the_dram_it_checked_never_a_replaced_one_of_equal_siz
     page_rows = torch.arange(64, dtype=torch.uint8).view(4, 16) + 1
     old = torch.zeros(8 * 16, dtype=torch.uint8)
     stores = {"kv": old}
-    copier = DramCopier(
-        {"kv": [page_rows]}, lambda: stores, DeviceBinding.of(torch.device("cpu"))
-    )
-
-    def copy(page: int, slot: int) -> bool | None:
-        ref = SlotRef("kv", stores["kv"].data_ptr(), 16, slot)
-        job = copier.start([(page, ref)], deadline=float("inf"))
-        wait_until(lambda: job.poll() is not None, what="job")
-        return job.poll()
-
+    copier = _copier({"kv": [page_rows]}, stores)
     try:
-        assert copy(1, 2) is True
+        assert _copy_one(copier, stores, 1, 2) is True
         new = torch.zeros(8 * 16, dtype=torch.uint8)  # same size, old kept alive
         stores["kv"] = new
-        assert copy(3, 2) is True
+        assert _copy_one(copier, stores, 3, 2) is True
         assert torch.equal(new.view(8, 16)[2], page_rows[3])
         assert torch.equal(old.view(8, 16)[2], page_rows[1])  # untouched
         backing = torch.zeros(2 * 8 * 16, dtype=torch.uint8)
         stores["kv"] = backing[::2]  # strided: not dense
-        assert copy(2, 4) is False
+        assert _copy_one(copier, stores, 2, 4) is False
         assert int(backing.count_nonzero()) == 0
     finally:
         assert copier.close(5)

@@ -76,10 +76,10 @@ class SpanRows:
         """``(pages, spans)`` row numbers in ``rows(elem)`` of every span of each
         page, page-major (the slot order). Refuses a page outside the spans.
 
-        Computed in numpy: small numpy operations keep the GIL, while every torch
-        call releases and retakes it, and a copier thread beside a scheduler loop
-        that holds the GIL waits up to a switch interval to retake it each time
-        (a 64-page deposit's index took 2.5 ms that way instead of 40 us)."""
+        Computed in numpy: small numpy operations keep the GIL, while torch calls
+        (even a view) release and retake it, and a copier thread beside a
+        scheduler loop that holds the GIL waits up to a switch interval each time
+        (``kvcr_copier_gil.py`` times a deposit there)."""
         p = np.asarray(pages, dtype=np.int64).reshape(-1, 1)
         if p.size and (int(p.min()) < 0 or int(p.max()) >= self.pages):
             raise IndexError(f"page outside the pool's {self.pages} pages")
