@@ -67,6 +67,9 @@ TARGETS: dict[str, Target | None] = {
     # and offloads refused or failed (none).
     "write_through_pages_per_s": None,
     "write_through_refusals": Target("value", "==", 0),
+    # Informational: the offload against the same plain copy made while a thread
+    # wakes at the offload's completion-poll pace (what those wake-ups cost).
+    **{f"offload_vs_polled_d2h_{n}p": None for n in TRANSFER_PAGES},
     # The CUDA targets (issue 11); on cpu CPU_TRANSFER_TARGETS apply instead.
     **{
         f"restore_vs_pinned_h2d_{n}p": Target("ratio", ">=", 0.8)

@@ -27,7 +27,11 @@ SECTION_NAMES = ("serving", "copy", "prepare", "hint", "hooks", "transfer")
 # host; kvcr_bench.py is the GPU serving bench).
 DEFAULT_TRANSFER = {"cpu": "47,256", "cuda": "47,256"}
 DEFAULT_SKIP = {"cpu": "", "cuda": "serving,copy,prepare,hint,hooks"}
-TRANSFER_KINDS = ("restore_vs_pinned_h2d", "offload_vs_pinned_d2h")
+TRANSFER_KINDS = (
+    "restore_vs_pinned_h2d",
+    "offload_vs_pinned_d2h",
+    "offload_vs_polled_d2h",
+)
 SECTIONS: tuple[tuple[str, Callable[..., None], tuple[str, ...]], ...] = (
     (
         "serving",

@@ -19,6 +19,7 @@ from kvcr_drivers.bench.metrics import (
     target_of,
 )
 from kvcr_drivers.bench.pools import (
+    OFFLOAD_POLL_S,
     Geometry,
     copy_once,
     host_bytes,
@@ -26,6 +27,7 @@ from kvcr_drivers.bench.pools import (
     make_pool,
     offload_once,
     pages_equal,
+    polled_copy_once,
     release_device_memory,
     restore_once,
     zero_pages,
@@ -37,7 +39,8 @@ def transfer_case(
 ) -> dict[str, list[float]]:
     """Seconds per rep of: the offload of ``n`` scattered pool pages until its
     FIFO result; a device-to-host copy of the same bytes into (pinned) host
-    memory; the restore of those pages from claimed KVCR DRAM into ``n`` other
+    memory, alone and beside a thread waking at the offload's poll pace
+    (``polled_copy_once``); the restore of those pages from claimed KVCR DRAM into ``n`` other
     scattered pool pages; a host-to-device copy from a (pinned) host tensor.
     Interleaved rep by rep; rep 0 warms up and checks the restore byte for byte."""
     import torch
@@ -59,13 +62,20 @@ def transfer_case(
     host = host_bytes(nbytes, device)
     host.random_(0, 256)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    times: dict[str, list[float]] = {"offload": [], "d2h": [], "restore": [], "h2d": []}
+    times: dict[str, list[float]] = {
+        "offload": [],
+        "d2h": [],
+        "d2h_polled": [],
+        "restore": [],
+        "h2d": [],
+    }
     try:
         settle()
         for rep in range(args.copy_reps + 1):
             hashes = random_hashes(rng, n)
             got = {"offload": offload_once(linker, geo, hashes, src_pages, device)}
             got["d2h"] = copy_once(host, dev, device)
+            got["d2h_polled"] = polled_copy_once(host, dev, device, OFFLOAD_POLL_S)
             if rep == 0:
                 zero_pages(pool, geo, dst_pages)
             got["restore"] = restore_once(
@@ -120,6 +130,7 @@ def bench_transfer(
         for name, value, base in (
             (f"restore_vs_pinned_h2d_{n}p", med["restore"], med["h2d"]),
             (f"offload_vs_pinned_d2h_{n}p", med["offload"], med["d2h"]),
+            (f"offload_vs_polled_d2h_{n}p", med["offload"], med["d2h_polled"]),
         ):
             metrics.append(
                 metric(
