@@ -109,15 +109,24 @@ def buffers(pool):
 def fill_random(pool, pages, seed, *, page=PAGE):
     """Fresh random bytes (every bit pattern, NaNs included) in ``pages`` (``page``
     token rows each; ``page=1``: token slots) of every buffer of ``pool``. The
-    same seed and pages give the same bytes on every device and rank."""
-    pages = torch.as_tensor(pages, dtype=torch.int64, device=pool.device)
-    rows = (pages[:, None] * page + torch.arange(page, device=pool.device)).reshape(-1)
-    gen = torch.Generator(device=pool.device).manual_seed(seed)
+    same seed and pages give the same bytes on every device and rank.
+
+    Never blocks the host on a CUDA stream: a test fills pages on a forward
+    stream still busy (``torch.cuda._sleep``) to show the linker's fences wait
+    for it, and a pageable host-to-device copy of the page numbers would wait
+    for that stream to finish first, leaving nothing to race."""
+    dev = buffers(pool)[0].device  # the pool's own device (cuda:N, not "cuda")
+    pages = torch.as_tensor(pages, dtype=torch.int64)
+    if dev.type == "cuda" and pages.device.type == "cpu":
+        pages = pages.pin_memory().to(dev, non_blocking=True)
+    pages = pages.to(dev)
+    rows = (pages[:, None] * page + torch.arange(page, device=dev)).reshape(-1)
+    gen = torch.Generator(device=dev).manual_seed(seed)
     for buf in buffers(pool):
         raw = buf.view(torch.uint8)
         shape = (len(rows), *raw.shape[1:])
         raw[rows] = torch.randint(
-            0, 256, shape, dtype=torch.uint8, generator=gen, device=pool.device
+            0, 256, shape, dtype=torch.uint8, generator=gen, device=dev
         )
 
 

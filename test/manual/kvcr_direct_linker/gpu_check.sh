@@ -55,11 +55,16 @@
 #               started at once, one request each, so SGLang's JIT (nvcc) and Triton
 #               compile once into the caches below and later stages start warm. Off
 #               the GPU: a CPU server start with the linker (dry run: all three).
-#   gpu-tests   python -m pytest -m gpu test/registered/unit/mem_cache/kvcr (where torch
+#   gpu-tests   python -m pytest -m gpu over the kvcr test modules that mention the
+#               gpu marker (grep), not the whole directory (where torch
 #               sees no CUDA device: their collection, cpu_harness/gpu_collection.py,
 #               which passes when gpu tests were found and every module imported).
 #   gpu-tests-sanitizer  the same under PyTorch's CUDA sanitizer
-#               (TORCH_CUDA_SANITIZER=1: unsynchronized accesses across streams).
+#               (TORCH_CUDA_SANITIZER=1: unsynchronized accesses across streams,
+#               among the kernels the test's main thread launches: the sanitizer's
+#               dispatch mode is per thread, so the copier's, loader's and
+#               stager's kernels are not checked; the fence tests and their
+#               negative controls cover those).
 #               Without a device the sanitizer cannot run (a CUDA build without a
 #               driver fails every tensor operation under it): the stage checks it
 #               is there and collects the tests without it.
@@ -110,11 +115,11 @@ stage_timeout() { # NAME
     install) gpu=30 dry=0 emu=180 ;;
     env) gpu=25 dry=120 emu=180 ;;
     warmup) gpu=90 dry=600 emu=420 ;;
-    gpu-tests) gpu=40 dry=180 emu=240 ;;
-    gpu-tests-sanitizer) gpu=50 dry=180 emu=240 ;;
-    microbench) gpu=60 dry=540 emu=540 ;;
-    bench) gpu=95 dry=420 emu=420 ;;
-    bench-families) gpu=60 dry=600 emu=600 ;;
+    gpu-tests) gpu=75 dry=180 emu=240 ;;
+    gpu-tests-sanitizer) gpu=80 dry=180 emu=240 ;;
+    microbench) gpu=50 dry=540 emu=540 ;;
+    bench) gpu=80 dry=420 emu=420 ;;
+    bench-families) gpu=50 dry=600 emu=600 ;;
     *) echo 0; return ;;
   esac
   var=GPU_CHECK_TIMEOUT_$(echo "$name" | tr 'a-z-' 'A-Z_')
@@ -197,12 +202,21 @@ stage_warmup() {
   "$PY" "$MANUAL/kvcr_warmup.py" "${args[@]}" --report "$REPORTS/kvcr_warmup.json"
 }
 
+GPU_TEST_DIR=test/registered/unit/mem_cache/kvcr
+
+gpu_test_modules() { # the test modules that mention the gpu marker (collected alone:
+  # importing every kvcr test module takes longer than the gpu tests themselves)
+  grep -rl --include='test_*.py' 'mark\.gpu' "$GPU_TEST_DIR" | sort
+}
+
 run_gpu_tests() { # JUNIT_NAME [ENV=VALUE...]: the gpu tests, or their collection
   cd "$REPO"
-  local junit=$1 rc=0
+  local junit=$1 rc=0 modules
   shift
+  mapfile -t modules < <(gpu_test_modules)
+  if [ "${#modules[@]}" -eq 0 ]; then echo "gpu-tests: no module mentions the gpu marker"; return 1; fi
   if [ "$MODE" = gpu ]; then
-    env "$@" "$PY" -m pytest -m gpu test/registered/unit/mem_cache/kvcr -p no:cacheprovider -q \
+    env "$@" "$PY" -m pytest -m gpu "${modules[@]}" -p no:cacheprovider -q \
       --junitxml "$REPORTS/$junit.xml" || rc=$?
     if [ "$rc" -eq 5 ]; then echo "gpu-tests: pytest exit 5: no gpu tests ran on the GPU host"; return 1; fi
     return "$rc"
@@ -214,7 +228,7 @@ run_gpu_tests() { # JUNIT_NAME [ENV=VALUE...]: the gpu tests, or their collectio
     "$PY" -c 'import torch, torch.cuda._sanitizer as s; assert callable(s.enable_cuda_sanitizer); print(f"gpu-tests: CUDA sanitizer present in torch {torch.__version__}; TORCH_CUDA_SANITIZER=1 needs a CUDA device, not set here")' || return 1
   fi
   PYTHONPATH="$REPO/test:$PYTHONPATH" \
-    "$PY" -m pytest -m gpu test/registered/unit/mem_cache/kvcr --collect-only \
+    "$PY" -m pytest -m gpu "${modules[@]}" --collect-only \
     -p no:cacheprovider -q -p cpu_harness.gpu_collection
 }
 

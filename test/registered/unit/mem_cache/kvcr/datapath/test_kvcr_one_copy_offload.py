@@ -10,6 +10,8 @@ is a failed offload with its slots freed, and a round trip is byte-exact.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import gc
 import itertools
 import random
@@ -499,6 +501,50 @@ def test_a_cpu_copy_writes_the_dram_it_checked_never_a_replaced_one_of_equal_siz
         stores["kv"] = backing[::2]  # strided: not dense
         assert _copy_one(copier, stores, 2, 4) is False
         assert int(backing.count_nonzero()) == 0
+    finally:
+        assert copier.close(5)
+
+
+class _StreamStandIn:
+    """Stands in for a CUDA side stream: always drained."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _CudaHostStandIn(DeviceBinding):
+    """A copier bound to a device (it has a stream) whose sources are host rows,
+    as a staged offload's staging area on a CUDA host."""
+
+    def start_side_thread(self, what: str):
+        return _StreamStandIn(), None
+
+    @contextlib.contextmanager
+    def on(self, stream):
+        yield
+
+
+def test_a_device_copier_moves_host_staging_rows_with_the_host_copy(monkeypatch):
+    """On a CUDA host a staged offload's sources are page-locked host rows: they
+    take the host copy straight into the slots, never the device path (a
+    32 MiB scratch and three host passes per byte)."""
+
+    def device_path(self, group):
+        raise AssertionError("host rows sent down the device path")
+
+    monkeypatch.setattr(DramCopier, "_copy_pages_device", device_path)
+    page_rows = torch.arange(64, dtype=torch.uint8).view(4, 16) + 1
+    stores = {"kv": torch.zeros(8 * 16, dtype=torch.uint8)}
+    copier = DramCopier(
+        {"kv": [page_rows]}, lambda: stores, _CudaHostStandIn(torch.device("cpu"))
+    )
+    try:
+        assert _copy_one(copier, stores, 3, 5) is True
+        assert torch.equal(stores["kv"].view(8, 16)[5], page_rows[3])
     finally:
         assert copier.close(5)
 

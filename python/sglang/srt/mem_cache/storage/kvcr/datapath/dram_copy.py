@@ -4,10 +4,11 @@ A deposit (``kvcr_patches.page_fills``) reserves one KVCR slot per page through
 kvcr's fill path and hands the (source page, slot) pairs to this copier; the fill
 completes, READY or freed, only when a job says every byte landed or that none
 will be written any more. A slot holds every span of its page in span order. A
-copier thread runs the jobs in order. On CPU every span of a run of consecutive
+copier thread runs the jobs in order. From host rows (a CPU pool, or a staged
+offload's staging rows on any host) every span of a run of consecutive
 slots moves with one ``index_select`` over the pool's spans viewed as rows of
 one tensor (``span_rows``), written in place into the slots: one pass over the
-bytes, one parallel region per run. On CUDA each run of
+bytes, one parallel region per run. From device pages each run of
 consecutive slots is assembled on the device in a bounded scratch buffer, laid
 out as the slots are, and moved with one asynchronous device-to-host copy into
 the page-locked slots, on the copier's own stream, which is drained before the
@@ -255,7 +256,10 @@ class DramCopier:
         else:
             with self._device.on(stream):
                 for group in groups:
-                    self._copy_pages_device(group)
+                    if group.views.rows is not None:  # host rows (staging): a host copy
+                        _copy_pages(group)
+                    else:
+                        self._copy_pages_device(group)
             drain(stream)
         self.copied_bytes += sum(len(g.pages) * g.slots_view.shape[1] for g in groups)
 
@@ -346,7 +350,12 @@ class DramCopier:
             self._scratch = torch.empty(
                 per_chunk * slot_bytes, dtype=torch.uint8, device=device
             )
-        index = torch.tensor(group.pages, dtype=torch.long).to(device)
+        # Page-locked and asynchronous: a pageable copy would block this thread
+        # on its own stream (the previous pool's copies) before queuing more.
+        index = torch.tensor(group.pages, dtype=torch.long)
+        if device.type == "cuda":
+            index = index.pin_memory()
+        index = index.to(device, non_blocking=True)
         slots = group.slots
         for a, b, stride in plan_runs(slots):
             if stride != 1:
