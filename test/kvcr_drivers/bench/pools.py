@@ -185,25 +185,39 @@ def copy_once(dst: Any, src: Any, device: str) -> float:
 
 
 def polled_copy_once(dst: Any, src: Any, device: str, poll_s: float) -> float:
-    """``copy_once`` while another thread wakes every ``poll_s`` and goes back to
-    sleep, as ``offload_once``'s own completion poll does while the offload's
-    copy runs: the wake-ups an offload's measurement pays, paid by a plain copy
-    (on a small host each one preempts a copying core)."""
+    """Seconds from starting ``copy_once`` on a side thread until this thread,
+    checking every ``poll_s``, sees it done: the shape of ``offload_once`` (the
+    copy on another thread, its end seen by a poll), so the plain copy pays the
+    same wake-ups (on a small host each one preempts a copying core) and the
+    same detection delay."""
     import threading
 
-    stop = threading.Event()
-    poller = threading.Thread(target=_sleep_until, args=(stop, poll_s), daemon=True)
-    poller.start()
-    try:
-        return copy_once(dst, src, device)
-    finally:
-        stop.set()
-        poller.join(WAIT_S)
+    done = threading.Event()
+    failed: list[BaseException] = []
+    on_device = [t.device.index for t in (dst, src) if t.device.type == "cuda"]
+    index = on_device[0] if on_device else None  # the side thread binds to it
 
+    def run() -> None:
+        try:
+            if index is not None:
+                import torch
 
-def _sleep_until(stop: Any, poll_s: float) -> None:
-    while not stop.is_set():
-        time.sleep(poll_s)
+                torch.cuda.set_device(index)
+            copy_once(dst, src, device)
+        except BaseException as exc:
+            failed.append(exc)
+        finally:
+            done.set()
+
+    t0 = time.perf_counter()
+    copier = threading.Thread(target=run, name="bench-polled-copy", daemon=True)
+    copier.start()
+    wait_until(done.is_set, WAIT_S, "plain copy", poll_s=poll_s)
+    elapsed = time.perf_counter() - t0
+    copier.join(WAIT_S)
+    if failed:
+        raise RuntimeError("the polled plain copy failed") from failed[0]
+    return elapsed
 
 
 def restore_once(

@@ -39,8 +39,8 @@ def transfer_case(
 ) -> dict[str, list[float]]:
     """Seconds per rep of: the offload of ``n`` scattered pool pages until its
     FIFO result; a device-to-host copy of the same bytes into (pinned) host
-    memory, alone and beside a thread waking at the offload's poll pace
-    (``polled_copy_once``); the restore of those pages from claimed KVCR DRAM into ``n`` other
+    memory, alone and on a side thread whose end is polled at the offload's
+    pace (``polled_copy_once``); the restore of those pages from claimed KVCR DRAM into ``n`` other
     scattered pool pages; a host-to-device copy from a (pinned) host tensor.
     Interleaved rep by rep; rep 0 warms up and checks the restore byte for byte."""
     import torch
@@ -107,7 +107,9 @@ def bench_transfer(
         "method": "restore: load -> finish_layer_wise_loading (+ device sync) into "
         "scattered pool pages, vs host->device copy_ of the same bytes; offload: "
         "one copy into KVCR DRAM (default offload_path), offload() -> its FIFO "
-        "result, vs device->host copy_; "
+        "result, vs device->host copy_ (and, informational, that copy on a side "
+        "thread whose end the main thread polls every 0.5 ms as it polls the "
+        "offload's: offload_vs_polled_d2h); "
         + (
             "host tensors pinned, copies non_blocking, torch.cuda.synchronize()"
             if on_cuda

@@ -115,11 +115,11 @@ stage_timeout() { # NAME
     install) gpu=30 dry=0 emu=180 ;;
     env) gpu=25 dry=120 emu=180 ;;
     warmup) gpu=90 dry=600 emu=420 ;;
-    gpu-tests) gpu=75 dry=180 emu=240 ;;
-    gpu-tests-sanitizer) gpu=80 dry=180 emu=240 ;;
-    microbench) gpu=50 dry=540 emu=540 ;;
-    bench) gpu=80 dry=420 emu=420 ;;
-    bench-families) gpu=50 dry=600 emu=600 ;;
+    gpu-tests) gpu=65 dry=180 emu=240 ;;
+    gpu-tests-sanitizer) gpu=70 dry=180 emu=240 ;;
+    microbench) gpu=55 dry=540 emu=540 ;;
+    bench) gpu=75 dry=420 emu=420 ;;
+    bench-families) gpu=45 dry=600 emu=600 ;;
     *) echo 0; return ;;
   esac
   var=GPU_CHECK_TIMEOUT_$(echo "$name" | tr 'a-z-' 'A-Z_')
