@@ -117,9 +117,9 @@ def fill_random(pool, pages, seed, *, page=PAGE):
     for that stream to finish first, leaving nothing to race."""
     dev = buffers(pool)[0].device  # the pool's own device (cuda:N, not "cuda")
     pages = torch.as_tensor(pages, dtype=torch.int64)
-    if dev.type == "cuda" and pages.device.type == "cpu":
-        pages = pages.pin_memory().to(dev, non_blocking=True)
-    pages = pages.to(dev)
+    if dev.type == "cuda" and not pages.is_cuda:
+        pages = pages.pin_memory()
+    pages = pages.to(dev, non_blocking=True)
     rows = (pages[:, None] * page + torch.arange(page, device=dev)).reshape(-1)
     gen = torch.Generator(device=dev).manual_seed(seed)
     for buf in buffers(pool):

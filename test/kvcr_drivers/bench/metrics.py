@@ -67,8 +67,8 @@ TARGETS: dict[str, Target | None] = {
     # and offloads refused or failed (none).
     "write_through_pages_per_s": None,
     "write_through_refusals": Target("value", "==", 0),
-    # Informational: the offload against the same plain copy made while a thread
-    # wakes at the offload's completion-poll pace (what those wake-ups cost).
+    # Informational: the offload against the same plain copy run on a side thread
+    # whose end is polled at the offload's pace (what the bench's poll costs).
     **{f"offload_vs_polled_d2h_{n}p": None for n in TRANSFER_PAGES},
     # The CUDA targets (issue 11); on cpu CPU_TRANSFER_TARGETS apply instead.
     **{

@@ -40,8 +40,8 @@ def transfer_case(
     """Seconds per rep of: the offload of ``n`` scattered pool pages until its
     FIFO result; a device-to-host copy of the same bytes into (pinned) host
     memory, alone and on a side thread whose end is polled at the offload's
-    pace (``polled_copy_once``); the restore of those pages from claimed KVCR DRAM into ``n`` other
-    scattered pool pages; a host-to-device copy from a (pinned) host tensor.
+    pace (``polled_copy_once``); the restore of those pages from claimed KVCR
+    DRAM into ``n`` other scattered pool pages; a host-to-device copy from a (pinned) host tensor.
     Interleaved rep by rep; rep 0 warms up and checks the restore byte for byte."""
     import torch
 

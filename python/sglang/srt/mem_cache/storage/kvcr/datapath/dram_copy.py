@@ -36,6 +36,7 @@ import torch
 from sglang.srt.mem_cache.storage.kvcr.datapath.span_rows import SpanRows, span_rows
 from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
     DeviceBinding,
+    device_index,
     drain,
 )
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.page_fills import SlotRef
@@ -250,17 +251,13 @@ class DramCopier:
     def _copy(self, job: CopyJob, stream: Any) -> None:
         """Every pair of ``job``; returns once all bytes have landed."""
         groups = self._groups(job)
-        if stream is None:
+        with self._device.on(stream):
             for group in groups:
-                _copy_pages(group)
-        else:
-            with self._device.on(stream):
-                for group in groups:
-                    if group.views.rows is not None:  # host rows (staging): a host copy
-                        _copy_pages(group)
-                    else:
-                        self._copy_pages_device(group)
-            drain(stream)
+                if group.views.rows is not None:  # host rows: a CPU pool, staging
+                    _copy_pages(group)
+                else:
+                    self._copy_pages_device(group)
+        drain(stream)  # nothing queued without a stream
         self.copied_bytes += sum(len(g.pages) * g.slots_view.shape[1] for g in groups)
 
     def _groups(self, job: CopyJob) -> list[PoolCopy]:
@@ -350,12 +347,7 @@ class DramCopier:
             self._scratch = torch.empty(
                 per_chunk * slot_bytes, dtype=torch.uint8, device=device
             )
-        # Page-locked and asynchronous: a pageable copy would block this thread
-        # on its own stream (the previous pool's copies) before queuing more.
-        index = torch.tensor(group.pages, dtype=torch.long)
-        if device.type == "cuda":
-            index = index.pin_memory()
-        index = index.to(device, non_blocking=True)
+        index = device_index(group.pages, device)
         slots = group.slots
         for a, b, stride in plan_runs(slots):
             if stride != 1:

@@ -21,7 +21,10 @@ from typing import Any
 
 import torch
 
-from sglang.srt.mem_cache.storage.kvcr.device.device_streams import fences_done
+from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
+    device_index,
+    fences_done,
+)
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     Deposit,
     EntryStatus,
@@ -240,8 +243,7 @@ def select(pages: torch.Tensor, keep: list[int]) -> torch.Tensor:
     """``pages[keep]`` without a host sync (a leading run is a plain slice)."""
     if keep == list(range(len(keep))):
         return pages[: len(keep)]
-    index = torch.tensor(keep, dtype=torch.long, pin_memory=pages.is_cuda)
-    return pages.index_select(0, index.to(pages.device, non_blocking=True))
+    return pages.index_select(0, device_index(keep, pages.device))
 
 
 def to_host(pages: torch.Tensor) -> torch.Tensor:

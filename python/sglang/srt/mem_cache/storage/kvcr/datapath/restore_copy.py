@@ -26,7 +26,10 @@ from sglang.srt.mem_cache.storage.kvcr.datapath.row_team import (
     scatter_piece,
 )
 from sglang.srt.mem_cache.storage.kvcr.datapath.span_rows import SpanRows
-from sglang.srt.mem_cache.storage.kvcr.device.device_streams import wait_event
+from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
+    device_index,
+    wait_event,
+)
 from sglang.srt.mem_cache.storage.kvcr.device.host_memory import HostMemory
 
 
@@ -295,8 +298,7 @@ class SpanRestore:
             if cuda:
                 self._host_busy = torch.cuda.Event()
                 self._host_busy.record()
-            positions = torch.tensor(chunk, dtype=torch.long, pin_memory=cuda)
-            index = dest.index_select(0, positions.to(dest.device, non_blocking=True))
+            index = dest.index_select(0, device_index(chunk, dest.device))
             by_page = staged.view(len(chunk), nparts, staged.shape[1])
             for part, target in enumerate(dest_parts):
                 target.index_copy_(0, index, by_page[:, part])

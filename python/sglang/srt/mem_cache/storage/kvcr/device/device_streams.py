@@ -139,6 +139,16 @@ def _poll(waitable: Any, timeout_s: float, what: str) -> None:
         sync()
 
 
+def device_index(values: Sequence[int], device: Any) -> torch.Tensor:
+    """``values`` as an int64 index on ``device``, queued on the current stream
+    without blocking the host: on CUDA through page-locked memory (torch's host
+    allocator keeps that block until the copy has run), since a pageable copy
+    would first wait for everything queued on the stream."""
+    cuda = torch.device(device).type == "cuda"
+    index = torch.tensor(values, dtype=torch.long, pin_memory=cuda)
+    return index.to(device, non_blocking=True)
+
+
 def fences_done(fences: Sequence[Any]) -> bool:
     """Whether every event has completed, without blocking."""
     return all(event.query() for event in fences)
