@@ -1,4 +1,5 @@
-"""A deposit's slots, reserved in one allocation, are the ones kvcr would give.
+"""A deposit's slots, reserved in one allocation and committed in one pass, end
+as kvcr would leave them.
 
 ``kvcr_patches.page_fills._reserve`` reserves every page of a deposit with one
 ``_allocate_slots`` call (kvcr's built-in FIFO or LRU policy, no disk tier: the
@@ -9,14 +10,19 @@ run of deposits, held claims and releases, on real KVCRs of one configuration,
 goes through: the one allocation against the key-by-key loop (both keeping the
 deposit's pages), and, keeping only the keys being reserved, the one allocation
 against kvcr's own ``reserve_fill``. After every step each pair holds the same
-keys, in the same slots and states, with the same free slots and the same
-evictions published, and reports the same outcomes. Both comparisons must reach
-batches met by evicting and batches that could not be met whole.
+keys, in the same slots and states, in the same eviction order, with the same
+free slots and the same evictions published, and reports the same outcomes. Both
+comparisons must reach batches met by evicting and batches that could not be met
+whole. Once a
+chunk's copy landed, ``_commit_landed`` marks it READY in one pass where kvcr's
+``_apply_fill_result`` would do nothing more; the same runs compare it with
+kvcr's own path, and a chunk some kvcr operation waits on is left to kvcr.
 """
 
 from __future__ import annotations
 
 import random
+from contextlib import closing
 
 import pytest
 
@@ -42,20 +48,25 @@ SEEDS = 3
 
 
 def _state(lk, names) -> tuple:
-    """Every resident key's slots and state, each pool's free slots in order, and
+    """Every resident key's slots and state, each pool's free slots in order, the
+    order kvcr would evict in, its unscored keys and evictable-slot counts, and
     which of ``names`` the linker believes resident (from kvcr's inventory
     events: an eviction not published would show here)."""
 
     def read(kv):
         core = kv._core
+        local = core._local_dram
         with core._state_lock:
             resident = sorted(
                 (key, tuple(r.local_dram.slots), r.local_dram.state.name)
                 for key, r in core._block_record_map.items()
                 if r.local_dram is not None
             )
-            free = {n: tuple(d) for n, d in core._local_dram._free_slots.items()}
-        return resident, free
+            free = {n: tuple(d) for n, d in local._free_slots.items()}
+            with closing(local._evictable.candidates(set())) as order:
+                evictable = list(order)  # the order kvcr would evict in
+            counts = (sorted(local._unscored), sorted(local._evictable_slots.items()))
+        return resident, free, evictable, counts
 
     believed = [n for n in names if lk.layout.block_key(n, "kv") in lk.residency]
     return lk._adapter.call(read), believed
@@ -203,3 +214,84 @@ def test_a_deposit_never_evicts_its_own_pages():
         assert resident == {a, c, d, e}
     finally:
         lk.close()
+
+
+@pytest.mark.parametrize("policy", ["fifo", "lru"])
+def test_one_commit_leaves_the_state_kvcr_would(monkeypatch, policy):
+    """Per seed, the same run with landed chunks marked READY by
+    ``_commit_landed`` and by kvcr's own ``_apply_fill_result``: the same
+    outcomes, and after every step the same keys, slots, states, eviction order,
+    evictable counts and published inventory. The batched commit must have done
+    most of the run's commits (not fallen back to kvcr's path)."""
+    pool = make_pool()
+    fill_random(pool, list(range(1, 8)), seed=33)
+    commit = page_fills._commit_landed
+    taken: list[bool] = []
+
+    def counting(core, keys, slots):
+        done = commit(core, keys, slots)
+        taken.append(done)
+        return done
+
+    monkeypatch.setattr(page_fills, "_commit_landed", counting)
+    for seed in range(SEEDS):
+        taken.clear()
+        batched = _run(policy, seed + 10, pool)
+        assert sum(taken) >= 10 and sum(taken) == len(taken), taken
+        with monkeypatch.context() as m:
+            m.setattr(page_fills, "ONE_COMMIT", False)
+            taken.clear()
+            kvcr_own = _run(policy, seed + 10, pool)
+            assert taken == []
+        assert batched[1] == kvcr_own[1], f"seed {seed}: outcomes differ"
+        for step, (a, b) in enumerate(zip(batched[0], kvcr_own[0], strict=True)):
+            assert a == b, f"seed {seed} step {step}: state differs from kvcr's"
+
+
+def test_one_commit_leaves_a_chunk_an_operation_waits_on_to_kvcr():
+    """A FILLING key some kvcr operation waits on (a fetch of a page being
+    filled), or kvcr's key history on: ``_commit_landed`` changes nothing and
+    says so, so kvcr's own path answers that operation; without either it marks
+    the chunk READY and evictable."""
+    from kvcr.local_dram import _LocalDramState
+
+    pool = make_pool()
+    (name,) = hashes_for(1, "one-commit-waiter")
+    lk = make_linker(pool)
+    key = lk.layout.block_key(name, "kv")
+    label = lk.layout.pools[0].block_label
+
+    def run(kv):
+        core = kv._core
+        with core._state_lock:
+            deadline = core._operation_deadline()
+            assert page_fills._reserve(core, [key], label, deadline, {key}) == {key}
+            record = core._block_record_map[key]
+            slots = (tuple(record.local_dram.slots),)
+            record.add_in_flight_op(("fetch", 987654))
+            waited = page_fills._commit_landed(core, (key,), slots)
+            state_waited = record.local_dram.state
+            record.discard_in_flight_op(("fetch", 987654))
+            core._key_history_enabled, history = True, core._key_history_enabled
+            logged = page_fills._commit_landed(core, (key,), slots)
+            core._key_history_enabled = history
+            state_logged = record.local_dram.state
+            done = page_fills._commit_landed(core, (key,), slots)
+            evictable = core._local_dram._evictable.score(key) is not None
+            return (
+                waited,
+                state_waited,
+                logged,
+                state_logged,
+                done,
+                evictable,
+                (record.local_dram.state),
+            )
+
+    try:
+        waited, s1, logged, s2, done, evictable, s3 = lk._adapter.call(run)
+    finally:
+        lk.close()
+    assert (waited, s1) == (False, _LocalDramState.FILLING)
+    assert (logged, s2) == (False, _LocalDramState.FILLING)
+    assert (done, s3, evictable) == (True, _LocalDramState.READY, True)

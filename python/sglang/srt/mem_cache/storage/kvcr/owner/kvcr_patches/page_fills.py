@@ -11,7 +11,9 @@ evicting as kvcr decides, but one allocation for the whole deposit, and never a
 page of the same deposit) and marked FILLING; the attached copier writes the pages;
 once it says every byte landed, or that none will be written any more,
 ``_apply_fill_result`` marks them READY (inventory events, fetches waiting on them
-answered) or frees them, never READY with bytes that did not land. A copy not
+answered) or frees them, never READY with bytes that did not land; a chunk that
+landed whole with nothing waiting on its keys is marked READY by one pass that
+leaves kvcr's state exactly as that would (``_commit_landed``). A copy not
 started by kvcr's operation deadline is dropped; one already running is waited
 for, so slots are never freed while written. A key already FILLING for another
 operation reports that fill's outcome. A copier that moves bytes without the
@@ -29,6 +31,7 @@ import dataclasses
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -140,6 +143,10 @@ def install() -> None:
                 (local_dram._LocalDram, "_apply_fill_result"),
                 (local_dram._LocalDram, "_allocate_slots"),
                 (local_dram._LocalDram, "_update_capacity_pressure"),
+                (local_dram._LocalDram, "_resume_capacity_waiters"),
+                (local_dram._LocalDram, "_size_bytes"),
+                (core._KVCRCore, "_block_meta"),
+                (core._KVCRCore, "_on_ingest"),
                 (local_dram, "_LocalDramResidency"),
                 (core._KVCRCore, "_publish_inventory"),
                 (local_dram, "_LocalDramState"),
@@ -365,10 +372,85 @@ def _complete(core: Any, fill: PageFill, part: FillPart, success: bool) -> None:
     from kvcr.types import CacheTier
 
     done, part.keys = part.keys, ()
-    core._local_dram._apply_fill_result(done, part.slots, success, CacheTier.FW_G2)
+    if not (success and ONE_COMMIT and _commit_landed(core, done, part.slots)):
+        core._local_dram._apply_fill_result(done, part.slots, success, CacheTier.FW_G2)
     core._record_transfer("local_fill", fill.started, success, len(done), part.nbytes)
     for key in done:
         fill.results[key] = _status(core, key)
+
+
+# Off only in tests: every landed chunk then goes through kvcr's own
+# ``_apply_fill_result``.
+ONE_COMMIT = True
+
+
+def _commit_landed(
+    core: Any,
+    keys: tuple[bytes, ...],
+    slots: tuple[tuple[tuple[str, int], ...], ...],
+) -> bool:
+    """Under kvcr's state lock: mark a chunk whose every byte landed READY as
+    kvcr's ``_apply_fill_result`` does, when that is all it would do: every key
+    still FILLING in the slots reserved for it, no kvcr operation waiting on any
+    of them (a fetch of a key being filled), kvcr's key history off. Per key it
+    builds kvcr's block metadata once and hands the same one to the policy's
+    ingest (skipped where the policy keeps the no-op default) and to its eviction
+    score (kvcr builds it twice, from the same record fields, neither call
+    changing them); the evictable-slot counts, inventory event, capacity
+    pressure and capacity waiters follow once for the chunk. Whether it did;
+    when not, nothing was changed and kvcr's own path applies the result."""
+    from kvcr.local_dram import _LocalDramState
+    from kvcr.policy import KVCachePolicy
+    from kvcr.types import CacheTier
+
+    local = core._local_dram
+    if core._key_history_enabled:
+        return False
+    records = []
+    for key, reserved in zip(keys, slots, strict=True):
+        record = core._block_record_map.get(key)
+        residency = None if record is None else record.local_dram
+        if (
+            residency is None
+            or residency.state is not _LocalDramState.FILLING
+            or residency.slots != list(reserved)
+            or record.active_op_ids
+        ):
+            return False
+        records.append(record)
+    now = core._clock()
+    evictable, policy = local._evictable, core._policy
+    # kvcr's built-in policies (``attach`` admits no other) keep no ingest state.
+    ingest = type(policy._policy).on_ingest is not KVCachePolicy.on_ingest
+    sizes: dict[tuple[tuple[str, int], ...], int] = {}
+    newly: Counter[str] = Counter()
+    for key, record, reserved in zip(keys, records, slots, strict=True):
+        residency = record.local_dram
+        record.last_access = now
+        residency.state = _LocalDramState.READY
+        local._residency_observer(key, record)
+        size = sizes.get(reserved)
+        if size is None:
+            size = sizes[reserved] = local._size_bytes(reserved)
+        meta = core._block_meta(key, record, size)
+        if ingest:
+            core._on_ingest(meta, CacheTier.FW_G2)
+        if residency.claim_count:  # kvcr's _make_evictable from here on
+            continue
+        score = policy.eviction_score(
+            meta, CacheTier.LOCAL_G2, previous_score=evictable.score(key)
+        )
+        if score is None:
+            local._unscored.add(key)
+            continue
+        local._unscored.discard(key)
+        if evictable.insert(key, score):
+            newly.update(label.partition(":")[0] for label, _ in reserved)
+    local._evictable_slots.update(newly)
+    local._update_capacity_pressure()
+    core._publish_inventory(list(keys), CacheTier.LOCAL_G2, removed=False)
+    local._resume_capacity_waiters()
+    return True
 
 
 def _is_ready(core: Any, key: bytes) -> bool:
