@@ -1,7 +1,7 @@
 """A deposit's slots, reserved in one allocation and committed in one pass, end
 as kvcr would leave them.
 
-``kvcr_patches.page_fills._reserve`` reserves every page of a deposit with one
+``kvcr_patches.batched_slots.reserve`` reserves every page of a deposit with one
 ``_allocate_slots`` call (kvcr's built-in FIFO or LRU policy, no disk tier: the
 only ones the linker runs), instead of kvcr's ``reserve_fill`` (a policy call and
 an allocation per key), and never evicts a page of the same deposit. When that
@@ -14,7 +14,7 @@ keys, in the same slots and states, in the same eviction order, with the same
 free slots and the same evictions published, and reports the same outcomes. Both
 comparisons must reach batches met by evicting and batches that could not be met
 whole. Once a
-chunk's copy landed, ``_commit_landed`` marks it READY in one pass where kvcr's
+chunk's copy landed, ``batched_slots.commit_landed`` marks it READY in one pass where kvcr's
 ``_apply_fill_result`` would do nothing more; the same runs compare it with
 kvcr's own path, and a chunk some kvcr operation waits on is left to kvcr.
 """
@@ -35,7 +35,9 @@ from cpu_harness.kvcr_pages import (
     make_pool,
     wait_until,
 )
-from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import page_fills
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import (
+    batched_slots,
+)
 from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
     LinkerRequestContext,
 )
@@ -146,7 +148,7 @@ def test_one_allocation_gives_the_slots_and_victims_kvcr_would(monkeypatch, poli
         calls.append((len(layout), got[0] is not None, len(got[1])))
         return got
 
-    reserve = page_fills._reserve
+    reserve = batched_slots.reserve
 
     def as_kvcr(core, keys, label, deadline, keep):
         return reserve(core, keys, label, deadline, set(keys))
@@ -159,17 +161,17 @@ def test_one_allocation_gives_the_slots_and_victims_kvcr_would(monkeypatch, poli
         batched = _run(policy, seed, pool)
         used += calls
         with monkeypatch.context() as m:
-            m.setattr(page_fills, "ONE_ALLOCATION", False)
+            m.setattr(batched_slots, "ONE_ALLOCATION", False)
             calls.clear()
             per_key = _run(policy, seed, pool)
             assert all(asked == 1 for asked, _, _ in calls)
         with monkeypatch.context() as m:
-            m.setattr(page_fills, "_reserve", as_kvcr)
+            m.setattr(batched_slots, "reserve", as_kvcr)
             calls.clear()
             batched_as_kvcr = _run(policy, seed, pool)
             used_as_kvcr += calls
         with monkeypatch.context() as m:
-            m.setattr(page_fills, "_reserve", _kvcr_reserve_fill)
+            m.setattr(batched_slots, "reserve", _kvcr_reserve_fill)
             kvcr_own = _run(policy, seed, pool)
         for name, one, other in (
             ("key by key", batched, per_key),
@@ -219,30 +221,30 @@ def test_a_deposit_never_evicts_its_own_pages():
 @pytest.mark.parametrize("policy", ["fifo", "lru"])
 def test_one_commit_leaves_the_state_kvcr_would(monkeypatch, policy):
     """Per seed, the same run with landed chunks marked READY by
-    ``_commit_landed`` and by kvcr's own ``_apply_fill_result``: the same
+    ``batched_slots.commit_landed`` and by kvcr's own ``_apply_fill_result``: the same
     outcomes, and after every step the same keys, slots, states, eviction order,
     evictable counts and published inventory. The batched commit must have done
     most of the run's commits (not fallen back to kvcr's path)."""
     pool = make_pool()
     fill_random(pool, list(range(1, 8)), seed=33)
-    commit = page_fills._commit_landed
+    commit = batched_slots.commit_landed
     taken: list[bool] = []
 
-    def counting(core, keys, slots):
-        done = commit(core, keys, slots)
+    def counting(core, keys, slots, success):
+        done = commit(core, keys, slots, success)
         taken.append(done)
         return done
 
-    monkeypatch.setattr(page_fills, "_commit_landed", counting)
+    monkeypatch.setattr(batched_slots, "commit_landed", counting)
     for seed in range(SEEDS):
         taken.clear()
         batched = _run(policy, seed + 10, pool)
         assert sum(taken) >= 10 and sum(taken) == len(taken), taken
         with monkeypatch.context() as m:
-            m.setattr(page_fills, "ONE_COMMIT", False)
+            m.setattr(batched_slots, "ONE_COMMIT", False)
             taken.clear()
             kvcr_own = _run(policy, seed + 10, pool)
-            assert taken == []
+            assert taken and not any(taken)
         assert batched[1] == kvcr_own[1], f"seed {seed}: outcomes differ"
         for step, (a, b) in enumerate(zip(batched[0], kvcr_own[0], strict=True)):
             assert a == b, f"seed {seed} step {step}: state differs from kvcr's"
@@ -250,7 +252,7 @@ def test_one_commit_leaves_the_state_kvcr_would(monkeypatch, policy):
 
 def test_one_commit_leaves_a_chunk_an_operation_waits_on_to_kvcr():
     """A FILLING key some kvcr operation waits on (a fetch of a page being
-    filled), or kvcr's key history on: ``_commit_landed`` changes nothing and
+    filled), or kvcr's key history on: ``batched_slots.commit_landed`` changes nothing and
     says so, so kvcr's own path answers that operation; without either it marks
     the chunk READY and evictable."""
     from kvcr.local_dram import _LocalDramState
@@ -265,18 +267,18 @@ def test_one_commit_leaves_a_chunk_an_operation_waits_on_to_kvcr():
         core = kv._core
         with core._state_lock:
             deadline = core._operation_deadline()
-            assert page_fills._reserve(core, [key], label, deadline, {key}) == {key}
+            assert batched_slots.reserve(core, [key], label, deadline, {key}) == {key}
             record = core._block_record_map[key]
             slots = (tuple(record.local_dram.slots),)
             record.add_in_flight_op(("fetch", 987654))
-            waited = page_fills._commit_landed(core, (key,), slots)
+            waited = batched_slots.commit_landed(core, (key,), slots, True)
             state_waited = record.local_dram.state
             record.discard_in_flight_op(("fetch", 987654))
             core._key_history_enabled, history = True, core._key_history_enabled
-            logged = page_fills._commit_landed(core, (key,), slots)
+            logged = batched_slots.commit_landed(core, (key,), slots, True)
             core._key_history_enabled = history
             state_logged = record.local_dram.state
-            done = page_fills._commit_landed(core, (key,), slots)
+            done = batched_slots.commit_landed(core, (key,), slots, True)
             evictable = core._local_dram._evictable.score(key) is not None
             return (
                 waited,

@@ -45,7 +45,10 @@ from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
     DeviceStallError,
 )
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import EntryStatus, OpDone
-from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import page_fills
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import (
+    batched_slots,
+    page_fills,
+)
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.page_fills import SlotRef
 
 pytestmark = pytest.mark.kvcr
@@ -258,7 +261,7 @@ def test_a_deposit_larger_than_a_chunk_copies_while_it_reserves(monkeypatch):
     rest = len(pages) - first
     assert 0 < rest <= later
     order: list[str] = []
-    reserve = page_fills._reserve
+    reserve = batched_slots.reserve
     start, copy = DramCopier.start, DramCopier._copy
 
     def reserving(core, keys, *args, **kwargs):
@@ -274,7 +277,7 @@ def test_a_deposit_larger_than_a_chunk_copies_while_it_reserves(monkeypatch):
             raise RuntimeError("second chunk's copy failed (injected)")
         copy(self, job, stream)
 
-    monkeypatch.setattr(page_fills, "_reserve", reserving)
+    monkeypatch.setattr(batched_slots, "reserve", reserving)
     monkeypatch.setattr(DramCopier, "start", starting)
     monkeypatch.setattr(DramCopier, "_copy", copying)
     pool = make_pool()
@@ -317,7 +320,7 @@ def test_a_deposit_failing_midway_keeps_its_running_copy_seen_at_close(
     calling KVCR quiescent while the copy writes its DRAM."""
     started, release = held_copy
     calls: list[int] = []
-    reserve = page_fills._reserve
+    reserve = batched_slots.reserve
 
     def flaky(core, keys, *args, **kwargs):
         calls.append(len(keys))
@@ -328,7 +331,7 @@ def test_a_deposit_failing_midway_keeps_its_running_copy_seen_at_close(
             raise RuntimeError("kvcr state broken (injected)")
         return reserve(core, keys, *args, **kwargs)
 
-    monkeypatch.setattr(page_fills, "_reserve", flaky)
+    monkeypatch.setattr(batched_slots, "reserve", flaky)
     pages = list(range(1, 21))
     pool = make_pool()
     fill_random(pool, pages, seed=19)

@@ -34,7 +34,8 @@ for SGLang's).
 Modules beside this one each patch one more part of kvcr, among them
 ``completion_senders`` (a pull's completion only from the agent it was sent to),
 ``probe_fences`` (bounded write-probe fences), ``unresolved_fills`` (DRAM held by
-failed fetches, counted) and ``outgoing_sockets``; ``kvcr_internals`` checks the
+failed fetches, counted), ``page_fills`` with ``batched_slots`` (the linker's
+own deposits through kvcr's fill path) and ``outgoing_sockets``; ``kvcr_internals`` checks the
 internals the first three wrap.
 """
 

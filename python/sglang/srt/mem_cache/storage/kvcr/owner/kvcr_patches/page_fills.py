@@ -13,7 +13,7 @@ once it says every byte landed, or that none will be written any more,
 ``_apply_fill_result`` marks them READY (inventory events, fetches waiting on them
 answered) or frees them, never READY with bytes that did not land; a chunk that
 landed whole with nothing waiting on its keys is marked READY by one pass that
-leaves kvcr's state exactly as that would (``_commit_landed``). A copy not
+leaves kvcr's state exactly as that would (``batched_slots``). A copy not
 started by kvcr's operation deadline is dropped; one already running is waited
 for, so slots are never freed while written. A key already FILLING for another
 operation reports that fill's outcome. A copier that moves bytes without the
@@ -31,11 +31,11 @@ import dataclasses
 import threading
 import time
 import weakref
-from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import EntryStatus
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import batched_slots
 
 KVCR_VERSION = "0.1.1"
 
@@ -229,7 +229,9 @@ def begin(
         address, size = pools[label.partition(":")[0]]
         for chunk in _chunks(keys, copier.chunks):
             with core._state_lock:
-                destinations = _reserve(core, chunk, label, fill.deadline, keep)
+                destinations = batched_slots.reserve(
+                    core, chunk, label, fill.deadline, keep
+                )
                 for key in chunk:
                     if key not in destinations:  # dropped, or no slot in time
                         fill.results[key] = EntryStatus.FAILED
@@ -257,49 +259,6 @@ def begin(
             if status is EntryStatus.SUCCESS and not _is_ready(core, key):
                 fill.results[key] = EntryStatus.FAILED
                 core._prune_block_record(key)
-
-
-# Off only in tests: every deposit then allocates key by key, as kvcr does.
-ONE_ALLOCATION = True
-
-
-def _reserve(
-    core: Any, keys: list[bytes], label: str, deadline: float, keep: set[bytes]
-) -> set[bytes]:
-    """Under kvcr's state lock: reserve a FILLING slot of ``label`` for each of
-    ``keys`` as kvcr's ``reserve_fill`` does, except that no page of the deposit
-    (``keep``, which holds ``keys``) is evicted for another; the keys that got one. kvcr's own loop asks
-    its policy about each key (kvcr's built-in FIFO and LRU, the only ones the
-    linker runs, keep every ingest: ``attach`` checks) and allocates one slot at
-    a time; one allocation of every slot at once picks the same victims in the
-    same order and hands out the same slots, so that comes first, and only an
-    allocation that cannot be met whole goes key by key."""
-    from kvcr.local_dram import _LocalDramResidency, _LocalDramState
-    from kvcr.types import CacheTier
-
-    local = core._local_dram
-    fresh = [key for key in keys if core._block_record(key).local_dram is None]
-    got: list[tuple[bytes, tuple[str, int]]] = []
-    evicted: list[bytes] = []
-    if fresh and ONE_ALLOCATION:
-        locations, evicted, _ = local._allocate_slots(
-            [label] * len(fresh), keep, deadline
-        )
-        if locations is not None:
-            got = list(zip(fresh, locations, strict=True))
-            fresh = []
-    for key in fresh:
-        locations, victims, _ = local._allocate_slots([label], keep, deadline)
-        evicted += victims
-        if locations is not None:
-            got.append((key, locations[0]))
-    for key, location in got:
-        core._block_record(key).local_dram = _LocalDramResidency(
-            [location], _LocalDramState.FILLING
-        )
-    local._update_capacity_pressure()
-    core._publish_inventory(evicted, CacheTier.LOCAL_G2, removed=True)
-    return {key for key, _ in got}
 
 
 def _builtin_policy(core: Any) -> bool:
@@ -372,85 +331,11 @@ def _complete(core: Any, fill: PageFill, part: FillPart, success: bool) -> None:
     from kvcr.types import CacheTier
 
     done, part.keys = part.keys, ()
-    if not (success and ONE_COMMIT and _commit_landed(core, done, part.slots)):
+    if not batched_slots.commit_landed(core, done, part.slots, success):
         core._local_dram._apply_fill_result(done, part.slots, success, CacheTier.FW_G2)
     core._record_transfer("local_fill", fill.started, success, len(done), part.nbytes)
     for key in done:
         fill.results[key] = _status(core, key)
-
-
-# Off only in tests: every landed chunk then goes through kvcr's own
-# ``_apply_fill_result``.
-ONE_COMMIT = True
-
-
-def _commit_landed(
-    core: Any,
-    keys: tuple[bytes, ...],
-    slots: tuple[tuple[tuple[str, int], ...], ...],
-) -> bool:
-    """Under kvcr's state lock: mark a chunk whose every byte landed READY as
-    kvcr's ``_apply_fill_result`` does, when that is all it would do: every key
-    still FILLING in the slots reserved for it, no kvcr operation waiting on any
-    of them (a fetch of a key being filled), kvcr's key history off. Per key it
-    builds kvcr's block metadata once and hands the same one to the policy's
-    ingest (skipped where the policy keeps the no-op default) and to its eviction
-    score (kvcr builds it twice, from the same record fields, neither call
-    changing them); the evictable-slot counts, inventory event, capacity
-    pressure and capacity waiters follow once for the chunk. Whether it did;
-    when not, nothing was changed and kvcr's own path applies the result."""
-    from kvcr.local_dram import _LocalDramState
-    from kvcr.policy import KVCachePolicy
-    from kvcr.types import CacheTier
-
-    local = core._local_dram
-    if core._key_history_enabled:
-        return False
-    records = []
-    for key, reserved in zip(keys, slots, strict=True):
-        record = core._block_record_map.get(key)
-        residency = None if record is None else record.local_dram
-        if (
-            residency is None
-            or residency.state is not _LocalDramState.FILLING
-            or residency.slots != list(reserved)
-            or record.active_op_ids
-        ):
-            return False
-        records.append(record)
-    now = core._clock()
-    evictable, policy = local._evictable, core._policy
-    # kvcr's built-in policies (``attach`` admits no other) keep no ingest state.
-    ingest = type(policy._policy).on_ingest is not KVCachePolicy.on_ingest
-    sizes: dict[tuple[tuple[str, int], ...], int] = {}
-    newly: Counter[str] = Counter()
-    for key, record, reserved in zip(keys, records, slots, strict=True):
-        residency = record.local_dram
-        record.last_access = now
-        residency.state = _LocalDramState.READY
-        local._residency_observer(key, record)
-        size = sizes.get(reserved)
-        if size is None:
-            size = sizes[reserved] = local._size_bytes(reserved)
-        meta = core._block_meta(key, record, size)
-        if ingest:
-            core._on_ingest(meta, CacheTier.FW_G2)
-        if residency.claim_count:  # kvcr's _make_evictable from here on
-            continue
-        score = policy.eviction_score(
-            meta, CacheTier.LOCAL_G2, previous_score=evictable.score(key)
-        )
-        if score is None:
-            local._unscored.add(key)
-            continue
-        local._unscored.discard(key)
-        if evictable.insert(key, score):
-            newly.update(label.partition(":")[0] for label, _ in reserved)
-    local._evictable_slots.update(newly)
-    local._update_capacity_pressure()
-    core._publish_inventory(list(keys), CacheTier.LOCAL_G2, removed=False)
-    local._resume_capacity_waiters()
-    return True
 
 
 def _is_ready(core: Any, key: bytes) -> bool:

@@ -1,0 +1,137 @@
+"""kvcr's slot bookkeeping for a deposit, batched: one allocation, one commit.
+
+kvcr 0.1.1 reserves and completes local-DRAM fills one key at a time (a policy
+call, an allocation, block metadata built twice and a counter update per key),
+Python that holds the GIL next to the scheduler (the commit alone about 8 µs
+a page on a 2-core test VM). For the
+linker's own deposits (``page_fills``) this reserves every slot of a chunk with
+one ``_allocate_slots`` call and marks a landed chunk READY in one pass, each
+leaving kvcr's state exactly as its per-key path would (the tests compare them
+step by step), and falls back to that path whenever the batch would not:
+an allocation that cannot be met whole, a failed copy, a fetch waiting on a key
+being filled, kvcr's key history on. Every kvcr private name used here is
+checked by ``page_fills.install``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+# Off only in tests: every deposit then allocates key by key, as kvcr does.
+ONE_ALLOCATION = True
+
+
+def reserve(
+    core: Any, keys: list[bytes], label: str, deadline: float, keep: set[bytes]
+) -> set[bytes]:
+    """Under kvcr's state lock: reserve a FILLING slot of ``label`` for each of
+    ``keys`` as kvcr's ``reserve_fill`` does, except that no page of the deposit
+    (``keep``, which holds ``keys``) is evicted for another; the keys that got
+    one. kvcr's own loop asks its policy about each key (kvcr's built-in FIFO and
+    LRU, the only ones the linker runs, keep every ingest: ``attach`` checks) and
+    allocates one slot at a time; one allocation of every slot at once picks the
+    same victims in the same order and hands out the same slots, so that comes
+    first, and only an allocation that cannot be met whole goes key by key."""
+    from kvcr.local_dram import _LocalDramResidency, _LocalDramState
+    from kvcr.types import CacheTier
+
+    local = core._local_dram
+    fresh = [key for key in keys if core._block_record(key).local_dram is None]
+    got: list[tuple[bytes, tuple[str, int]]] = []
+    evicted: list[bytes] = []
+    if fresh and ONE_ALLOCATION:
+        locations, evicted, _ = local._allocate_slots(
+            [label] * len(fresh), keep, deadline
+        )
+        if locations is not None:
+            got = list(zip(fresh, locations, strict=True))
+            fresh = []
+    for key in fresh:
+        locations, victims, _ = local._allocate_slots([label], keep, deadline)
+        evicted += victims
+        if locations is not None:
+            got.append((key, locations[0]))
+    for key, location in got:
+        core._block_record(key).local_dram = _LocalDramResidency(
+            [location], _LocalDramState.FILLING
+        )
+    local._update_capacity_pressure()
+    core._publish_inventory(evicted, CacheTier.LOCAL_G2, removed=True)
+    return {key for key, _ in got}
+
+
+# Off only in tests: every landed chunk then goes through kvcr's own
+# ``_apply_fill_result``.
+ONE_COMMIT = True
+
+
+def commit_landed(
+    core: Any,
+    keys: tuple[bytes, ...],
+    slots: tuple[tuple[tuple[str, int], ...], ...],
+    success: bool,
+) -> bool:
+    """Under kvcr's state lock: mark a chunk whose every byte landed
+    (``success``) READY as kvcr's ``_apply_fill_result`` does, when that is all
+    it would do: every key
+    still FILLING in the slots reserved for it, no kvcr operation waiting on any
+    of them (a fetch of a key being filled), kvcr's key history off. Per key it
+    builds kvcr's block metadata once and hands the same one to the policy's
+    ingest (skipped where the policy keeps the no-op default) and to its eviction
+    score (kvcr builds it twice, from the same record fields, neither call
+    changing them); the evictable-slot counts, inventory event, capacity
+    pressure and capacity waiters follow once for the chunk. Whether it did;
+    when not, nothing was changed and kvcr's own path applies the result."""
+    from kvcr.local_dram import _LocalDramState
+    from kvcr.policy import KVCachePolicy
+    from kvcr.types import CacheTier
+
+    local = core._local_dram
+    if not (success and ONE_COMMIT) or core._key_history_enabled:
+        return False
+    records = []
+    for key, reserved in zip(keys, slots, strict=True):
+        record = core._block_record_map.get(key)
+        residency = None if record is None else record.local_dram
+        if (
+            residency is None
+            or residency.state is not _LocalDramState.FILLING
+            or residency.slots != list(reserved)
+            or record.active_op_ids
+        ):
+            return False
+        records.append(record)
+    now = core._clock()
+    evictable, policy = local._evictable, core._policy
+    # kvcr's built-in policies (``attach`` admits no other) keep no ingest state.
+    ingest = type(policy._policy).on_ingest is not KVCachePolicy.on_ingest
+    sizes: dict[tuple[tuple[str, int], ...], int] = {}
+    newly: Counter[str] = Counter()
+    for key, record, reserved in zip(keys, records, slots, strict=True):
+        residency = record.local_dram
+        record.last_access = now
+        residency.state = _LocalDramState.READY
+        local._residency_observer(key, record)
+        size = sizes.get(reserved)
+        if size is None:
+            size = sizes[reserved] = local._size_bytes(reserved)
+        meta = core._block_meta(key, record, size)
+        if ingest:
+            core._on_ingest(meta, CacheTier.FW_G2)
+        if residency.claim_count:  # kvcr's _make_evictable from here on
+            continue
+        score = policy.eviction_score(
+            meta, CacheTier.LOCAL_G2, previous_score=evictable.score(key)
+        )
+        if score is None:
+            local._unscored.add(key)
+            continue
+        local._unscored.discard(key)
+        if evictable.insert(key, score):
+            newly.update(label.partition(":")[0] for label, _ in reserved)
+    local._evictable_slots.update(newly)
+    local._update_capacity_pressure()
+    core._publish_inventory(list(keys), CacheTier.LOCAL_G2, removed=False)
+    local._resume_capacity_waiters()
+    return True
