@@ -82,6 +82,21 @@ def test_offload_evict_restore_is_byte_exact_every_repetition(device, path):
         lk.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_select_picks_a_pools_pages_on_their_device(device):
+    """``offload_queue.select`` (a trailing pool's pages among the KV transfer's):
+    a leading run is a slice, any other choice an ``index_select`` whose index
+    went up page-locked and ``non_blocking``; both stay on the pages' device and
+    pick exactly the pages asked for."""
+    from sglang.srt.mem_cache.storage.kvcr.datapath.offload_queue import select
+
+    pages = torch.arange(0, 30, 3, device=device)
+    lead, picked = select(pages, [0, 1, 2]), select(pages, [1, 4, 7, 9])
+    assert lead.device == picked.device == pages.device
+    assert lead.tolist() == [0, 3, 6]
+    assert picked.tolist() == [3, 12, 21, 27]
+
+
 # ---- CUDA-only orderings -------------------------------------------------------
 
 

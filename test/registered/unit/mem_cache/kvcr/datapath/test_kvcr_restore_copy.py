@@ -168,15 +168,21 @@ def test_nan_payloads_survive_the_restore_copy(source, dest) -> None:
         assert torch.equal(got, want)  # compared as integers: every bit
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("row_bytes", [64, 36])  # 36: byte rows, not words
 @pytest.mark.parametrize("source", ["object_major", "shuffled", "scattered_parts"])
-def test_span_restore_matches_row_copies(row_bytes, source) -> None:
+def test_span_restore_matches_row_copies(device, row_bytes, source) -> None:
     """The GPU restore's steps (span copies into a reused scratch buffer, device-
-    side scatter per part, a host gather for pages whose parts lie far apart), run
-    on the CPU: every part of every page lands in its row, and only those rows
-    change."""
+    side scatter per part, a host gather for pages whose parts lie far apart):
+    every part of every page lands in its row, and only those rows change. On
+    CUDA the store is page-locked (as KVCR DRAM is there), the copies are
+    asynchronous on the current stream, and the bytes are read after it
+    drained; on CPU the same steps run synchronously."""
     from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import SpanRestore
+    from sglang.srt.mem_cache.storage.kvcr.device.host_memory import HostMemory
 
+    dev = torch.device(device)
+    memory = HostMemory(pin=dev.type == "cuda")
     rng = random.Random(f"{row_bytes}{source}")
     parts, pages, store_rows = 4, 24, 200
     if source == "scattered_parts":  # parts of one object far apart: host gather
@@ -187,16 +193,25 @@ def test_span_restore_matches_row_copies(row_bytes, source) -> None:
             rng.shuffle(order)
         slots = [tuple(range(parts * o, parts * o + parts)) for o in order]
     dest = rng.sample(range(40), pages)
-    store = torch.randint(0, 256, (store_rows, row_bytes), dtype=torch.uint8)
-    dsts = [
+    store = memory.alloc_like((store_rows, row_bytes))
+    store.copy_(torch.randint(0, 256, (store_rows, row_bytes), dtype=torch.uint8))
+    before = [
         torch.randint(0, 256, (40, row_bytes), dtype=torch.uint8) for _ in range(parts)
     ]
-    expected = [_reference(d, dest, store, slots, p) for p, d in enumerate(dsts)]
+    expected = [_reference(d, dest, store, slots, p) for p, d in enumerate(before)]
+    dsts = [d.to(dev) for d in before]
     # Scratch of three pages' span: runs are chunked and the buffer reused.
-    span = SpanRestore(torch.device("cpu"), scratch_bytes=3 * parts * row_bytes)
-    span.copy_pool(dsts, torch.tensor(dest), store, slots)
-    for got, want in zip(dsts, expected, strict=True):
-        assert torch.equal(got, want)
+    span = SpanRestore(dev, memory, scratch_bytes=3 * parts * row_bytes)
+    try:
+        span.copy_pool(dsts, torch.tensor(dest, device=dev), store, slots)
+        if dev.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        span.drained()
+        for got, want in zip(dsts, expected, strict=True):
+            assert torch.equal(got.cpu(), want)
+    finally:
+        span.close()
+        memory.release(store)
     if source == "scattered_parts":  # gathered three pages at a time
         assert span.gathered_pages == pages and span.span_copies == 0
     else:
