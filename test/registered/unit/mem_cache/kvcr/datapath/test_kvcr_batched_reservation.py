@@ -133,19 +133,29 @@ def _kvcr_reserve_fill(core, keys, label, deadline, keep):
 
 @pytest.mark.parametrize("policy", ["fifo", "lru"])
 def test_one_allocation_gives_the_slots_and_victims_kvcr_would(monkeypatch, policy):
-    """Per seed, four runs: one allocation vs key by key (both keeping the
-    deposit's own pages), and, keeping only the keys reserved as kvcr does, one
-    allocation vs kvcr's ``reserve_fill`` itself."""
+    """Per seed, five runs: one allocation (its victims chosen by the linker) vs
+    key by key through kvcr's ``_allocate_slots`` and vs one kvcr
+    ``_allocate_slots`` call for the batch (all keeping the deposit's own pages),
+    and, keeping only the keys reserved as kvcr does, one allocation vs kvcr's
+    ``reserve_fill`` itself."""
     from kvcr import local_dram
 
     pool = make_pool()
     fill_random(pool, list(range(1, 8)), seed=31)
     calls: list[tuple[int, bool, int]] = []  # (slots asked, met, victims)
+    kvcr_batches: list[tuple[int, int]] = []  # kvcr's allocator: (asked, victims)
     allocate = local_dram._LocalDram._allocate_slots
+    batched_allocate = batched_slots.allocate
 
     def counting(self, layout, protected, deadline):
         got = allocate(self, layout, protected, deadline)
+        kvcr_batches.append((len(layout), len(got[1])))
         calls.append((len(layout), got[0] is not None, len(got[1])))
+        return got
+
+    def counting_batched(core, label, count, keep, deadline):
+        got = batched_allocate(core, label, count, keep, deadline)
+        calls.append((count, got[0] is not None, len(got[1])))
         return got
 
     reserve = batched_slots.reserve
@@ -154,17 +164,25 @@ def test_one_allocation_gives_the_slots_and_victims_kvcr_would(monkeypatch, poli
         return reserve(core, keys, label, deadline, set(keys))
 
     monkeypatch.setattr(local_dram._LocalDram, "_allocate_slots", counting)
+    monkeypatch.setattr(batched_slots, "allocate", counting_batched)
     used: list[tuple[int, bool, int]] = []  # the deposit's pages kept
     used_as_kvcr: list[tuple[int, bool, int]] = []  # only the reserved keys kept
     for seed in range(SEEDS):
         calls.clear()
+        kvcr_batches.clear()
         batched = _run(policy, seed, pool)
         used += calls
+        # kvcr's allocator evicted for no batch (only in the key-by-key fallback
+        # of a batch that could not be met whole): the linker chose those.
+        assert all(not out for asked, out in kvcr_batches if asked > 1), kvcr_batches
         with monkeypatch.context() as m:
             m.setattr(batched_slots, "ONE_ALLOCATION", False)
             calls.clear()
             per_key = _run(policy, seed, pool)
             assert all(asked == 1 for asked, _, _ in calls)
+        with monkeypatch.context() as m:
+            m.setattr(batched_slots, "ONE_EVICTION", False)
+            kvcr_allocator = _run(policy, seed, pool)
         with monkeypatch.context() as m:
             m.setattr(batched_slots, "reserve", as_kvcr)
             calls.clear()
@@ -175,6 +193,7 @@ def test_one_allocation_gives_the_slots_and_victims_kvcr_would(monkeypatch, poli
             kvcr_own = _run(policy, seed, pool)
         for name, one, other in (
             ("key by key", batched, per_key),
+            ("kvcr's _allocate_slots", batched, kvcr_allocator),
             ("kvcr's reserve_fill", batched_as_kvcr, kvcr_own),
         ):
             assert one[1] == other[1], f"seed {seed}: outcomes differ from {name}"
@@ -297,3 +316,44 @@ def test_one_commit_leaves_a_chunk_an_operation_waits_on_to_kvcr():
     assert (waited, s1) == (False, _LocalDramState.FILLING)
     assert (logged, s2) == (False, _LocalDramState.FILLING)
     assert (done, s3, evictable) == (True, _LocalDramState.READY, True)
+
+
+def test_victims_evicted_before_a_failed_allocation_are_published(monkeypatch):
+    """The linker evicts a batch's victims, then kvcr's allocator hands out the
+    slots; should that call raise, the offload fails and the victims, already
+    gone from kvcr, are still published as removed: the linker never believes a
+    page resident that kvcr dropped."""
+    from kvcr import local_dram
+
+    pool = make_pool()
+    fill_random(pool, list(range(1, 7)), seed=34)
+    names = hashes_for(6, "victims-published")
+    lk = make_linker(
+        pool, local_dram_bytes_per_worker=4 * PAGE_BYTES, eviction_policy="fifo"
+    )
+    allocate = local_dram._LocalDram._allocate_slots
+    raised: list[int] = []
+
+    def raising(self, layout, protected, deadline):
+        if len(layout) > 1 and not raised:
+            raised.append(len(layout))
+            raise RuntimeError("allocator fault (test)")
+        return allocate(self, layout, protected, deadline)
+
+    def resident() -> set[str]:
+        return {n for n in names if lk.layout.block_key(n, "kv") in lk.residency}
+
+    try:
+        for page, name in enumerate(names[:4], start=1):
+            assert lk.offload(kv_transfer([name], [page])) is True
+            wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload")
+            assert lk.pop_completed_offload() is True
+        wait_until(lambda: resident() == set(names[:4]), what="four resident")
+        monkeypatch.setattr(local_dram._LocalDram, "_allocate_slots", raising)
+        assert lk.offload(kv_transfer(names[4:], [5, 6])) is True
+        wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload")
+        assert lk.pop_completed_offload() is False
+        assert raised == [2]
+        wait_until(lambda: resident() == set(names[2:4]), what="victims published")
+    finally:
+        lk.close()

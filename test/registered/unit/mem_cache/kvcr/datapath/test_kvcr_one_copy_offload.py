@@ -762,7 +762,7 @@ def test_a_kvcr_that_attach_refuses_is_closed_not_left_running(monkeypatch):
         return close(self, *args, **kwargs)
 
     monkeypatch.setattr(api.KVCR, "close", spy)
-    monkeypatch.setattr(page_fills, "_builtin_policy", lambda core: False)
+    monkeypatch.setattr(batched_slots, "builtin_policy", lambda core: False)
     with pytest.raises(Exception, match="eviction_policy") as refused:
         make_linker(make_pool())
     assert len(closed) == 1, (closed, refused.value)

@@ -144,6 +144,9 @@ def install() -> None:
                 (local_dram._LocalDram, "_allocate_slots"),
                 (local_dram._LocalDram, "_update_capacity_pressure"),
                 (local_dram._LocalDram, "_resume_capacity_waiters"),
+                (local_dram._LocalDram, "_remove_evictable"),
+                (local_dram._LocalDram, "_retry_unscored"),
+                (local_dram._LocalDram, "_free"),
                 (local_dram._LocalDram, "_size_bytes"),
                 (core._KVCRCore, "_block_meta"),
                 (core._KVCRCore, "_on_ingest"),
@@ -173,7 +176,7 @@ def attach(kv: Any, copier: PageCopier) -> None:
     if not (
         hasattr(core, "_g3")
         and hasattr(core._policy, "_policy")
-        and _builtin_policy(core)
+        and batched_slots.builtin_policy(core)
     ):
         raise PageFillUnsupported(
             "the linker reserves KVCR slots assuming kvcr's built-in FIFO or LRU "
@@ -259,14 +262,6 @@ def begin(
             if status is EntryStatus.SUCCESS and not _is_ready(core, key):
                 fill.results[key] = EntryStatus.FAILED
                 core._prune_block_record(key)
-
-
-def _builtin_policy(core: Any) -> bool:
-    """Whether ``core`` runs kvcr's built-in FIFO or LRU policy (exactly) with no
-    disk tier: ingest always KEEP, eviction always DROP, never pending."""
-    from kvcr.policy import FIFOPolicy, LRUPolicy
-
-    return core._g3 is None and type(core._policy._policy) in (FIFOPolicy, LRUPolicy)
 
 
 def poll(kv: Any, fill: PageFill) -> dict[bytes, EntryStatus] | None:
