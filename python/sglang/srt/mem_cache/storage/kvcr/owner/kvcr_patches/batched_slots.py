@@ -11,7 +11,8 @@ landed chunk READY in one pass, each leaving kvcr's state exactly as its
 per-key path would (the tests compare them step by step). It falls back to that
 path whenever the batch would not: an allocation that cannot be met whole, a
 failed copy, a fetch waiting on a key being filled, kvcr's key history on.
-Every kvcr private name used here is checked by ``page_fills.install``.
+``page_fills.install`` refuses any kvcr but 0.1.1 and checks the methods used
+here; the instance attributes are 0.1.1's.
 """
 
 from __future__ import annotations
@@ -104,17 +105,19 @@ def allocate(
         chosen = _victims(core, pool, need, keep)
         if chosen is None:
             return None, []
+    else:
+        chosen = []
+    try:
         for key, record, residency in chosen:
             local._remove_evictable(key, residency)
             record.local_dram = None
+            victims.append(key)  # gone from kvcr from here on
             local._residency_observer(key, record)
             core._prune_block_record(key)
             local._free(residency.slots)
-            victims.append(key)
-    try:
         locations, more, _ = local._allocate_slots([label] * count, keep, deadline)
     except BaseException:
-        if victims:  # gone from kvcr: the linker must hear it
+        if victims:  # the linker must hear of every entry kvcr no longer holds
             local._update_capacity_pressure()
             core._publish_inventory(victims, CacheTier.LOCAL_G2, removed=True)
         raise
@@ -198,31 +201,34 @@ def commit_landed(
     evictable, policy = local._evictable, core._policy
     # kvcr's built-in policies (``attach`` admits no other) keep no ingest state.
     ingest = type(policy._policy).on_ingest is not KVCachePolicy.on_ingest
-    sizes: dict[tuple[tuple[str, int], ...], int] = {}
+    sizes: dict[tuple[str, ...], int] = {}  # by the slots' labels
     newly: Counter[str] = Counter()
-    for key, record, reserved in zip(keys, records, slots, strict=True):
-        residency = record.local_dram
-        record.last_access = now
-        residency.state = _LocalDramState.READY
-        local._residency_observer(key, record)
-        size = sizes.get(reserved)
-        if size is None:
-            size = sizes[reserved] = local._size_bytes(reserved)
-        meta = core._block_meta(key, record, size)
-        if ingest:
-            core._on_ingest(meta, CacheTier.FW_G2)
-        if residency.claim_count:  # kvcr's _make_evictable from here on
-            continue
-        score = policy.eviction_score(
-            meta, CacheTier.LOCAL_G2, previous_score=evictable.score(key)
-        )
-        if score is None:
-            local._unscored.add(key)
-            continue
-        local._unscored.discard(key)
-        if evictable.insert(key, score):
-            newly.update(label.partition(":")[0] for label, _ in reserved)
-    local._evictable_slots.update(newly)
+    try:
+        for key, record, reserved in zip(keys, records, slots, strict=True):
+            residency = record.local_dram
+            record.last_access = now
+            residency.state = _LocalDramState.READY
+            local._residency_observer(key, record)
+            labels = tuple(label for label, _ in reserved)
+            size = sizes.get(labels)
+            if size is None:
+                size = sizes[labels] = local._size_bytes(reserved)
+            meta = core._block_meta(key, record, size)
+            if ingest:
+                core._on_ingest(meta, CacheTier.FW_G2)
+            if residency.claim_count:  # kvcr's _make_evictable from here on
+                continue
+            score = policy.eviction_score(
+                meta, CacheTier.LOCAL_G2, previous_score=evictable.score(key)
+            )
+            if score is None:
+                local._unscored.add(key)
+                continue
+            local._unscored.discard(key)
+            if evictable.insert(key, score):
+                newly.update(label.partition(":")[0] for label in labels)
+    finally:  # counted for every key made evictable, should one raise
+        local._evictable_slots.update(newly)
     local._update_capacity_pressure()
     core._publish_inventory(list(keys), CacheTier.LOCAL_G2, removed=False)
     local._resume_capacity_waiters()
