@@ -215,7 +215,9 @@ def report(
     if "median_ttft_ms" in serving:
         split = (
             f" (python tree core alone: {serving['ratio_python_tree_core_vs_none']}x;"
-            f" linker over it: {serving['ratio_kvcr_vs_python_tree_core']}x)"
+            f" SGLang's linker mode, null linker: "
+            f"{serving.get('ratio_sglang_linker_mode_vs_none')}x;"
+            f" kvcr over it: {serving.get('ratio_kvcr_vs_sglang_linker_mode')}x)"
             if serving["ratio_python_tree_core_vs_none"] is not None
             else ""
         )

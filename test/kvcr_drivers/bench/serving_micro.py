@@ -6,6 +6,7 @@ side by side (one at a time, the others SIGSTOPped, in rotating order)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -15,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from cpu_harness import server as harness
+from cpu_harness.server import REPO
 from cpu_harness.tiny_model import ensure_tiny_model
-from kvcr_drivers.bench import decode_itl, serving, serving_replay
+from kvcr_drivers.bench import decode_itl, null_linker, serving, serving_replay
 from kvcr_drivers.bench.metrics import (
     cpu_ticks,
     dist,
@@ -235,12 +237,29 @@ def bench_serving(
     out["serving"] = details
     # The plugin selects SGLang's Python radix tree core; the default server runs
     # the Rust one. ``none_pytree`` separates that choice from the linker itself.
+    python_tree = {integration.TREE_CORE_ENV: "python"}
+    # SGLang's linker mode with a linker that does nothing (``null_linker``):
+    # what the linker mode itself costs, apart from what kvcr adds.
+    linker_mode = [
+        "--enable-unified-cache-external-linker",
+        "--unified-cache-external-linker-backend",
+        "dynamic",
+        "--unified-cache-external-linker-config",
+        json.dumps(null_linker.launch_config()),
+    ]
     variants = [
         ("none", [], None),
         *(
-            []  # --quick: one server fewer to start on a small machine
+            []  # --quick: fewer servers to start on a small machine
             if args.quick
-            else [("none_pytree", [], {integration.TREE_CORE_ENV: "python"})]
+            else [
+                ("none_pytree", [], python_tree),
+                (
+                    "null_linker",
+                    linker_mode,
+                    {**python_tree, "PYTHONPATH": str(REPO / "test")},
+                ),
+            ]
         ),
         ("kvcr", linker_args, None),
         *EXTRA_SERVING_VARIANTS,
@@ -362,6 +381,13 @@ def zero_hit_details(
     details["ratio_kvcr_vs_python_tree_core"] = (
         round(med["kvcr"] / pytree, 3) if pytree else None
     )
+    linker_mode = med.get("null_linker")
+    details["ratio_sglang_linker_mode_vs_none"] = (
+        round(linker_mode / med["none"], 3) if linker_mode else None
+    )
+    details["ratio_kvcr_vs_sglang_linker_mode"] = (
+        round(med["kvcr"] / linker_mode, 3) if linker_mode else None
+    )
     metrics.append(
         metric(
             "zero_hit_ttft_ratio",
@@ -373,6 +399,7 @@ def zero_hit_details(
             without_linker_range_ms=[min(ttft["none"]), max(ttft["none"])],
             pair_ratio_p50=details["pair_ratio"]["p50"],
             vs_python_tree_core=details["ratio_kvcr_vs_python_tree_core"],
+            vs_sglang_linker_mode=details["ratio_kvcr_vs_sglang_linker_mode"],
             quiet_rounds=details["quiet_rounds"],
             noisy=details["noisy"],
         )

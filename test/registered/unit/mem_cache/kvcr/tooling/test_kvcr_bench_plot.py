@@ -41,7 +41,7 @@ import kvcr_bench
 import kvcr_microbench
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-VARIANTS = ("none", "none_pytree", "kvcr")
+VARIANTS = ("none", "none_pytree", "null_linker", "kvcr")
 QUIET, NOISY = 7, 3  # zero-hit rounds under / over --quiet-round-busy
 
 
@@ -335,3 +335,48 @@ def test_a_drawing_error_is_reported_not_raised(tmp_path):
     assert result.outcome is plot.Outcome.FAILED
     assert "not a benchmark report" in result.line()
     assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.kvcr
+def test_zero_hit_split_separates_sglang_linker_mode_from_kvcr(micro_parts):
+    """The zero-hit details give SGLang's linker mode (the null linker's server)
+    against no linker, and kvcr against that, from the quiet rounds' medians."""
+    serving = micro_parts["details"]["serving"]
+    med = {v: statistics.median(serving[v]["ttft_ms"]) for v in VARIANTS}
+    assert serving["ratio_sglang_linker_mode_vs_none"] == round(
+        med["null_linker"] / med["none"], 3
+    )
+    assert serving["ratio_kvcr_vs_sglang_linker_mode"] == round(
+        med["kvcr"] / med["null_linker"], 3
+    )
+    (zero_hit,) = [
+        m for m in micro_parts["metrics"] if m["name"] == "zero_hit_ttft_ratio"
+    ]
+    assert (
+        zero_hit["vs_sglang_linker_mode"] == serving["ratio_kvcr_vs_sglang_linker_mode"]
+    )
+
+
+@pytest.mark.kvcr
+def test_sglangs_dynamic_loader_builds_the_null_linker():
+    """The bench's control server selects ``null_linker`` through SGLang's own
+    ``dynamic`` backend: the loader accepts it (a complete UnifiedCacheLinker)
+    and it stores and finds nothing, every offload completing as stored."""
+    from sglang.srt.mem_cache.unified_cache.linker_factory import (
+        create_unified_cache_linker,
+    )
+
+    from kvcr_drivers.bench import null_linker
+
+    linker = create_unified_cache_linker(
+        None,
+        None,
+        backend="dynamic",
+        config=null_linker.launch_config(),
+        components=set(),
+    )
+    assert type(linker) is null_linker.NullLinker
+    assert linker.lookup("r", []) == [] and linker.load("r", []) is False
+    assert linker.offload([]) is True and linker.num_completed_offloads() == 1
+    assert linker.pop_completed_offload() is True
+    assert linker.num_completed_offloads() == 0
