@@ -102,7 +102,8 @@ def server_env(
     scratch: str | os.PathLike[str] | None = None,
     extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """Environment for a CPU SGLang server process (inherits os.environ)."""
+    """Environment for a CPU SGLang server process (inherits os.environ);
+    ``extra`` overrides it, except that a ``PYTHONPATH`` there is appended."""
     home = Path(scratch) if scratch is not None else cache_dir() / "server-home"
     home.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
@@ -126,7 +127,11 @@ def server_env(
         }
     )
     if extra:
+        extra = dict(extra)
+        more = extra.pop("PYTHONPATH", "")  # after the harness's own, not instead
         env.update(extra)
+        if more:
+            env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], more])
     return env
 
 
