@@ -18,7 +18,7 @@ from typing import Any
 from cpu_harness import server as harness
 from cpu_harness.server import REPO
 from cpu_harness.tiny_model import ensure_tiny_model
-from kvcr_drivers.bench import decode_itl, null_linker, serving, serving_replay
+from kvcr_drivers.bench import decode_itl, serving, serving_replay
 from kvcr_drivers.bench.metrics import (
     cpu_ticks,
     dist,
@@ -205,6 +205,7 @@ def bench_serving(
     than ``--quiet-round-busy`` of the CPUs are kept in the report but left out of the
     medians, and replaced, up to 4x the requested rounds.
     """
+    from kvcr_drivers.bench import null_linker  # imports SGLang: not at module load
     from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
 
     rng = random.Random(args.seed + 3)
