@@ -103,7 +103,8 @@ def server_env(
     extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Environment for a CPU SGLang server process (inherits os.environ);
-    ``extra`` overrides it, except that a ``PYTHONPATH`` there is appended."""
+    ``extra`` overrides it, except that a ``PYTHONPATH`` there goes right after
+    the harness's start-up directory."""
     home = Path(scratch) if scratch is not None else cache_dir() / "server-home"
     home.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
@@ -128,10 +129,10 @@ def server_env(
     )
     if extra:
         extra = dict(extra)
-        more = extra.pop("PYTHONPATH", "")  # after the harness's own, not instead
+        more = extra.pop("PYTHONPATH", "")
         env.update(extra)
-        if more:
-            env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], more])
+        if more:  # right after the harness's directory, ahead of inherited ones
+            env["PYTHONPATH"] = os.pathsep.join([parts[0], more, *parts[1:]])
     return env
 
 

@@ -2,11 +2,14 @@
 
 The serving bench starts one server with it (SGLang's ``dynamic`` linker backend,
 on the Python radix tree core the kvcr plugin also selects), so every run
-separates what SGLang's linker mode itself costs a cold request (the
-enqueue-time match, per-page hashes, write-through bookkeeping) from what the
-kvcr linker adds over it. Every offload completes at once as stored, the way a
-successful write-through completes for SGLang; every lookup is a miss. Bench
-only: it is never installed with the package.
+separates what SGLang's linker mode itself costs a cold request (the lookup's
+match and per-page hashes at scheduling time, the write-through bookkeeping)
+from what the kvcr linker adds over it (its enqueue-time preparation among
+them). Every offload completes at once as stored, the way a successful
+write-through completes for SGLang; every lookup is a miss, so no load is ever
+started. It has no layer counter (SGLang then skips the per-layer waits a
+loading linker's counter answers at once; a few calls per forward). Bench only:
+it is never installed with the package.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class NullLinker(UnifiedCacheLinker):
         return False
 
     def start_layer_wise_loading(self) -> int:
-        return 0
+        return -1  # SGLang's "no load in flight"
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
         return True

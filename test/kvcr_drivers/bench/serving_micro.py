@@ -277,8 +277,18 @@ def bench_serving(
                 env=env,
                 wait=False,
             )
-        for handle in servers.values():
-            handle.wait_ready(args.startup_timeout)
+        for name, handle in list(servers.items()):
+            try:
+                handle.wait_ready(args.startup_timeout)
+            except harness.ServerStartError as exc:
+                if name in ("none", "kvcr"):
+                    raise
+                # A control server that failed costs its own ratio, not the section.
+                print(f"[bench] control server {name} did not start: {exc}"[:2000])
+                details.setdefault("control_start_errors", {})[name] = str(exc)[:2000]
+                handle.stop()
+                del servers[name]
+                continue
             serving.pause(handle)
         try:
             bench_decode_itl(args, servers, details, metrics)

@@ -283,11 +283,12 @@ def test_free_port_is_bindable() -> None:
 
 def test_server_env_appends_an_extra_pythonpath_after_the_harness(tmp_path):
     """A server's extra ``PYTHONPATH`` (the bench's null-linker server imports
-    from ``test/``) comes after the harness's own start-up directory, never in
-    place of it; other extra variables override."""
+    from ``test/``) comes right after the harness's own start-up directory (never
+    in place of it, and ahead of inherited entries); other extra variables
+    override."""
     from cpu_harness.server import server_env
 
     env = server_env(tmp_path, {"PYTHONPATH": "/extra/dir", "KVCR_PROBE": "1"})
     parts = env["PYTHONPATH"].split(os.pathsep)
-    assert parts[0] == str(PYTHONPATH_DIR) and parts[-1] == "/extra/dir", parts
+    assert parts[:2] == [str(PYTHONPATH_DIR), "/extra/dir"], parts
     assert env["KVCR_PROBE"] == "1"
