@@ -117,6 +117,7 @@ class KVCRDirectLinker(
             )
             self.hints = RouterHintParser.from_config(cfg, self.placement.shard_rank)
             self._local_wait_s = cfg.local_hit_wait_ms / 1000.0  # this step's
+            self._idle_wait_s = cfg.idle_offload_wait_us / 1e6
             # Claims of waiting requests: max_claimed_bytes (0: half the share).
             self.preparations = Preparations(
                 self.stats,
@@ -162,27 +163,11 @@ class KVCRDirectLinker(
         """This rank's KVCR peer control endpoint (what a router's hint names)."""
         return self.session.endpoint
 
-    def weights_changing(
-        self, source: str, model_path: str | None = None, load_format: str | None = None
-    ) -> None:
-        """The served weights are being replaced (``source``: disk, tensor, ...):
-        pages are refused until the next ``reset()`` (SGLang's flush after the
-        update) re-keys KVCR with the new identity (model_identity)."""
-        self.weights.changing(model_path, load_format)
-        logger.info(
-            "KVCR: weights changing (%s); pages refused until the next flush", source
-        )
-
     @property
     def _refusing_pages(self) -> bool:
         """No page is stored or fetched now: pages of new weights would be keyed
         as old ones, a disabled linker has no DRAM, a down one no KVCR."""
         return self.weights.pending or self.dram.disabled or self.recovery.down
-
-    @property
-    def weights_pending(self) -> bool:
-        """Whether new weights are served but KVCR is not re-keyed for them yet."""
-        return self.weights.pending
 
     # ---- result routing --------------------------------------------------------
 
@@ -257,6 +242,10 @@ class KVCRDirectLinker(
         held = self._adapter.stats().unresolved_fill_bytes
         bound = max(self.dram.gauges().dram_bytes // 4, self.config.max_abandoned_bytes)
         return held > bound
+
+    def scheduler_idle(self) -> None:
+        """No batch this pass: let deposits in flight end now (``settle``)."""
+        self.offloader.settle(self._route, self._idle_wait_s)
 
     def preparation_ready(self, handle: PreparationHandle) -> bool:
         """Whether ``handle``'s attempt may be admitted (by its own preparation)."""

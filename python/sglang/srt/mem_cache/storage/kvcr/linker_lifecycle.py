@@ -1,4 +1,6 @@
-"""The linker's lifecycle: flush, close, quiescence, and recovery from a KVCR fault.
+"""The linker's lifecycle: weight updates, flush, close, quiescence, and recovery
+from a KVCR fault. New weights refuse every page until the flush after the
+update re-keys KVCR with their identity.
 
 A linker fault degrades serving, it never stops it. Every hook pumps results
 (``KVCRDirectLinker._pump``), and each pump ends in ``_watch_kvcr``: when the
@@ -76,6 +78,24 @@ class LinkerLifecycle:
     def _route(self) -> None:
         """Submit ready offloads and route every drained result (the linker's)."""
         raise NotImplementedError
+
+    # ---- weight updates (re-keyed by the next flush) ----------------------------
+
+    def weights_changing(
+        self, source: str, model_path: str | None = None, load_format: str | None = None
+    ) -> None:
+        """The served weights are being replaced (``source``: disk, tensor, ...):
+        pages are refused until the next ``reset()`` (SGLang's flush after the
+        update) re-keys KVCR with the new identity (model_identity)."""
+        self.weights.changing(model_path, load_format)
+        logger.info(
+            "KVCR: weights changing (%s); pages refused until the next flush", source
+        )
+
+    @property
+    def weights_pending(self) -> bool:
+        """Whether new weights are served but KVCR is not re-keyed for them yet."""
+        return self.weights.pending
 
     # ---- flush and close -----------------------------------------------------------
 

@@ -16,6 +16,7 @@ import gc
 import itertools
 import random
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -162,6 +163,62 @@ def test_an_offload_leaves_its_deposit_to_the_next_pump(held_copy):
         assert submitted == [1]
         assert lk.offloader.queue.deferred_count == 0
         assert started.wait(5), "the pump did not start the copy"
+        release.set()
+        wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload result")
+        assert lk.pop_completed_offload() is True
+    finally:
+        release.set()
+        lk.close()
+
+
+def test_an_idle_pass_blocks_until_the_deposit_in_flight_is_answered(held_copy):
+    """SGLang's idle loop spins holding the GIL; ``scheduler_idle`` (its
+    ``on_idle`` hook) blocks instead while a deposit is in flight, so the owner
+    and copier finish it between requests: it returns once the result came back
+    and was routed (the offload is complete without another pump), and returns
+    at once when no deposit is in flight."""
+    started, release = held_copy
+    pool = make_pool()
+    fill_random(pool, [1, 2], seed=16)
+    lk = make_linker(pool, idle_offload_wait_us=20000)
+    try:
+        began = time.monotonic()
+        lk.scheduler_idle()  # nothing in flight
+        assert time.monotonic() - began < 0.005
+        assert lk.stats.idle_offload_waits == 0
+        assert lk.offload(kv_transfer(hashes_for(2, "idle-pass"), [1, 2])) is True
+        assert lk.num_completed_offloads() == 0  # submitted by this pump
+        assert started.wait(5), "the pump did not start the copy"
+        threading.Timer(0.005, release.set).start()
+        began = time.monotonic()
+        lk.scheduler_idle()
+        assert time.monotonic() - began >= 0.004  # it waited for the copy
+        assert lk.offloader.queue.completed() == 1  # answered and routed
+        assert lk.stats.idle_offload_waits == 1
+        assert lk.pop_completed_offload() is True
+    finally:
+        release.set()
+        lk.close()
+
+
+def test_an_idle_pass_waits_no_longer_than_idle_offload_wait_us(held_copy):
+    """A copy that does not end in time: the idle pass returns after its bound
+    (a request arriving meanwhile waits that long at most) and the offload is
+    still in flight, answered later."""
+    started, release = held_copy
+    pool = make_pool()
+    fill_random(pool, [1], seed=17)
+    lk = make_linker(pool, idle_offload_wait_us=20000)
+    try:
+        assert lk.offload(kv_transfer(hashes_for(1, "idle-bound"), [1])) is True
+        lk.num_completed_offloads()
+        assert started.wait(5)
+        began = time.monotonic()
+        lk.scheduler_idle()
+        waited = time.monotonic() - began
+        assert 0.019 <= waited < 0.5
+        assert lk.offloader.queue.deposits_in_flight
+        assert lk.num_completed_offloads() == 0
         release.set()
         wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload result")
         assert lk.pop_completed_offload() is True

@@ -29,7 +29,7 @@ from cpu_harness.kvcr_pages import wait_until
 from sglang.srt.mem_cache.storage.kvcr.layout import model_identity
 from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import PageLayout
 from sglang.srt.mem_cache.storage.kvcr.rank_setup import kvcache_layout_identity
-from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration, weight_updates
 from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
     LinkerRequestContext,
 )
@@ -445,9 +445,9 @@ def test_random_weights_and_resumed_weights_are_refused_until_a_flush(stack):
 
     manager = _session_manager(stack)
     for name in ("check_weights", "resume_memory_occupation"):
-        target = f"{integration._WEIGHTS}.{name}"
+        target = f"{weight_updates._WEIGHTS}.{name}"
         assert target in integration.WEIGHT_TARGETS
-    hook = integration._around_weight_update
+    hook = weight_updates.around_weight_update
 
     checks = [
         ("check_weights", CheckWeightsReqInput(action="checksum"), False),
@@ -469,7 +469,7 @@ def test_random_weights_and_resumed_weights_are_refused_until_a_flush(stack):
         assert stack.linker.weights_pending is changes, (name, req)
         stack.cache.reset()
     # With a CPU backup of the weights, a resume brings back the same weights.
-    with mock.patch.object(integration, "_weights_backed_up", return_value=True):
+    with mock.patch.object(weight_updates, "_weights_backed_up", return_value=True):
         resume = ResumeMemoryOccupationReqInput(tags=["weights"])
         hook(_named("resume_memory_occupation"), manager, resume)
     assert not stack.linker.weights_pending

@@ -115,6 +115,17 @@ class KVCRLinkerConfig:
             "admitted a pass later)."
         ),
     )
+    idle_offload_wait_us: int = dataclasses.field(
+        default=1000,
+        metadata=_doc(
+            "Longest the scheduler's idle loop blocks on each pass while an "
+            "offload's deposit is in flight, waiting for its result. SGLang's idle "
+            "loop spins holding Python's GIL, which starves the linker's owner and "
+            "copier threads until the next request's scheduling; blocking hands "
+            "them the GIL, so the offload ends between requests. A request "
+            "arriving meanwhile waits this long at most. 0: never block."
+        ),
+    )
     prepare_chunk_pages: int = dataclasses.field(
         default=64,
         metadata=_doc("Pages per KVCR fetch issued while preparing a request."),
@@ -342,6 +353,9 @@ def _check(cfg: KVCRLinkerConfig) -> None:
         "prepare_chunk_pages", cfg.prepare_chunk_pages, minimum=1, maximum=1 << 20
     )
     require_int("local_hit_wait_ms", cfg.local_hit_wait_ms, minimum=0, maximum=1000)
+    require_int(
+        "idle_offload_wait_us", cfg.idle_offload_wait_us, minimum=0, maximum=20000
+    )
     for name in (
         "max_inflight_offload_bytes",
         "max_inflight_prepare_bytes",

@@ -165,6 +165,11 @@ class OffloadQueue:
         return record, slots
 
     @property
+    def deposits_in_flight(self) -> bool:
+        """A deposit was submitted and its result has not come back."""
+        return bool(self._pending)
+
+    @property
     def has_pending(self) -> bool:
         """A deposit is still pending (submitted, staged or waiting for its
         fences), or a result the wrapper has not taken yet says STORED (its

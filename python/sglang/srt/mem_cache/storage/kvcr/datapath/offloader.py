@@ -202,6 +202,23 @@ class Offloader:
                 self.queue.untrack(deferred.record)
                 deferred.record.fail()
 
+    def settle(self, route: Callable[[float], object], budget_s: float) -> None:
+        """The scheduler is idle: while deposits are in flight, block in
+        ``route(wait_s)`` (which routes their results) until none is, at most
+        ``budget_s`` (``idle_offload_wait_us``). SGLang's idle loop otherwise
+        spins holding the GIL, and the owner and copier threads would finish
+        the offload during the next request's scheduling, not between requests."""
+        if budget_s <= 0 or not self.queue.deposits_in_flight:
+            return
+        start = time.monotonic()
+        deadline = start + budget_s
+        while self.queue.deposits_in_flight:
+            if (left := deadline - time.monotonic()) <= 0:
+                break
+            route(left)
+        self.stats.idle_offload_waits += 1
+        self.stats.idle_offload_wait_ms_total += (time.monotonic() - start) * 1e3
+
     def on_done(self, done: OpDone) -> None:
         record, slots = self.queue.on_done(done)
         if slots is not None and self.staging is not None:

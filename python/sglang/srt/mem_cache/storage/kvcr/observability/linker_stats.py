@@ -103,6 +103,10 @@ class LinkerStats:
     # Local-only preparations whose claims took longer than local_hit_wait_ms
     # (admitted a pass later).
     local_hit_waits_expired: int = 0
+    # Idle scheduler passes that blocked for an offload in flight
+    # (idle_offload_wait_us), and the time they blocked.
+    idle_offload_waits: int = 0
+    idle_offload_wait_ms_total: float = 0.0
     evicted_pages: int = 0
     refused_weights_changed: int = 0  # lookups between a weight update and flush
     samples: Samples = dataclasses.field(default_factory=Samples)
@@ -212,6 +216,8 @@ def snapshot(
         "claimed_bytes": p.claimed_bytes,
         "refused_claimed": s.refused_claimed,
         "local_hit_waits_expired": s.local_hit_waits_expired,
+        "idle_offload_waits": s.idle_offload_waits,
+        "idle_offload_wait_ms_total": round(s.idle_offload_wait_ms_total, 3),
         "refused_offload": adapter.refused_offload,
         "refused_prepare": adapter.refused_prepare,
         "inflight_offload_bytes": adapter.inflight_offload_bytes,

@@ -28,6 +28,10 @@ from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
     linker_hook,
     merge_held,
 )
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.weight_updates import (
+    WEIGHT_TARGETS,
+    around_weight_update,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -36,23 +40,6 @@ _WRAPPER = (
     "sglang.srt.mem_cache.unified_cache.unified_cache_linker.UnifiedCacheLinkerWrapper"
 )
 _CACHE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
-_WEIGHTS = (
-    "sglang.srt.managers.scheduler_components.weight_updater"
-    ".SchedulerWeightUpdaterManager"
-)
-WEIGHT_TARGETS: tuple[str, ...] = tuple(
-    f"{_WEIGHTS}.{name}"
-    for name in (
-        "update_weights_from_disk",
-        "update_weights_from_tensor",
-        "update_weights_from_distributed",
-        "update_weights_from_ipc",
-        "begin_weight_update",
-        "end_weight_update",  # P2P/RDMA writes land between begin and end
-        "check_weights",  # action="reset_tensors" randomizes every parameter
-        "resume_memory_occupation",  # weights without a CPU backup: undefined
-    )
-)
 _PD_PREFILL = (
     "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
     ".optimistic_release_and_requeue"
@@ -70,40 +57,68 @@ TARGETS: tuple[str, ...] = (
     f"{_CACHE}.reset",
     f"{_SCHED}._record_kv_event_lora_name",  # LoRA namespace (lora_namespace)
     "sglang.srt.mem_cache.utils.storage_namespace_seed",
+    f"{_SCHED}.on_idle",
     *WEIGHT_TARGETS,
 )
+
+
+def _hooks() -> list[tuple[str, Callable[..., Any], str]]:
+    """Every (target, hook, kind) this module registers (kind: after/around)."""
+    hooks: list[tuple[str, Callable[..., Any], str]] = [
+        (TARGETS[0], _after_add_request_to_queue, "after"),
+        (TARGETS[1], _around_get_new_batch_prefill, "around"),
+        (TARGETS[2], _after_wrapper_release_request, "after"),
+        (TARGETS[3], _around_commit_completed_offloads, "around"),
+        (TARGETS[4], _around_finish_loads, "around"),
+        (TARGETS[5], _after_on_release, "after"),
+        (TARGETS[6], _after_check_hicache_events, "after"),
+        (TARGETS[7], _after_init_cache_linker, "after"),
+        (TARGETS[8], _after_cache_reset, "after"),
+        (TARGETS[9], lora_namespace.around_record_lora_name, "around"),
+        (TARGETS[10], lora_namespace.around_storage_seed, "around"),
+        (TARGETS[11], _after_on_idle, "after"),
+        (_PD_PREFILL, _after_optimistic_requeue, "after"),
+    ]
+    hooks += [(target, around_weight_update, "around") for target in WEIGHT_TARGETS]
+    return hooks
 
 
 def register_hooks() -> None:
     """Register every scheduler/tree hook with SGLang's HookRegistry."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    after, around = HookType.AFTER, HookType.AROUND
-    HookRegistry.register(TARGETS[0], _after_add_request_to_queue, after)
-    HookRegistry.register(TARGETS[1], _around_get_new_batch_prefill, around)
-    HookRegistry.register(TARGETS[2], _after_wrapper_release_request, after)
-    HookRegistry.register(TARGETS[3], _around_commit_completed_offloads, around)
-    HookRegistry.register(TARGETS[4], _around_finish_loads, around)
-    HookRegistry.register(TARGETS[5], _after_on_release, after)
-    HookRegistry.register(TARGETS[6], _after_check_hicache_events, after)
-    HookRegistry.register(TARGETS[7], _after_init_cache_linker, after)
-    HookRegistry.register(TARGETS[8], _after_cache_reset, after)
-    HookRegistry.register(TARGETS[9], lora_namespace.around_record_lora_name, around)
-    HookRegistry.register(TARGETS[10], lora_namespace.around_storage_seed, around)
-    HookRegistry.register(_PD_PREFILL, _after_optimistic_requeue, after)
-    for target in WEIGHT_TARGETS:
-        HookRegistry.register(target, _around_weight_update, around)
+    kinds = {"after": HookType.AFTER, "around": HookType.AROUND}
+    for target, hook, kind in _hooks():
+        HookRegistry.register(target, hook, kinds[kind])
+
+
+def _carries(fn: Any, hook: Callable[..., Any]) -> bool:
+    """Whether ``hook`` is in a registry wrapper along ``fn``'s ``__wrapped__``
+    chain (SGLang's own decorators, such as the scheduler's stage markers, set
+    ``__wrapped__`` too, so its presence alone says nothing)."""
+    for _ in range(16):
+        if fn is None:
+            return False
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                if cell.cell_contents is hook:
+                    return True
+            except ValueError:  # an empty cell
+                continue
+        fn = getattr(fn, "__wrapped__", None)
+    return False
 
 
 def installed_hooks() -> dict[str, bool]:
-    """Which hook targets currently carry a registry wrapper."""
+    """Which hook targets currently carry this module's hook."""
     import importlib
 
+    hooks = {target: hook for target, hook, _ in _hooks()}
     status = {}
     for target in TARGETS:
         module_path, cls_name, attr = target.rsplit(".", 2)
         cls = getattr(importlib.import_module(module_path), cls_name)
-        status[target] = hasattr(getattr(cls, attr), "__wrapped__")
+        status[target] = _carries(getattr(cls, attr), hooks[target])
     return status
 
 
@@ -340,59 +355,6 @@ def _after_cache_reset(result: Any, cache: Any) -> None:
         stored.reset()
 
 
-def _around_weight_update(
-    original: Callable[..., Any], manager: Any, recv_req: Any, *args: Any, **kw: Any
-) -> Any:
-    """Tell the backend before the weights change; a failed update leaves them
-    unknown (partly loaded, or rolled back), so it is announced again as such."""
-    scheduler = getattr(manager, "scheduler", None)
-    tree_cache = getattr(scheduler, "tree_cache", None)
-    backend = None if tree_cache is None else _backend(tree_cache)
-    if backend is None:
-        return original(manager, recv_req, *args, **kw)
-    source = original.__name__.removeprefix("update_weights_from_")
-    if not _changes_weights(source, manager, recv_req):
-        return original(manager, recv_req, *args, **kw)
-    changing = linker_hook(backend, "weights_changing")
-    if source == "disk":
-        changing(source, recv_req.model_path, recv_req.load_format)
-    else:
-        changing(source)
-    result = original(manager, recv_req, *args, **kw)
-    if getattr(result, "success", True) is False:
-        changing(f"{source} (failed)")
-    return result
-
-
-def _changes_weights(source: str, manager: Any, recv_req: Any) -> bool:
-    """Whether this weight-manager call replaces the served weights."""
-    if source == "end_weight_update":
-        # Loads inside the session flushed (and so re-keyed) already; only a
-        # session without one (P2P/RDMA writes) changed the weights unseen.
-        session = getattr(manager, "_session", None)
-        return session is not None and not getattr(session, "loaded_weights", False)
-    if source == "check_weights":
-        return getattr(recv_req, "action", None) == "reset_tensors"
-    if source == "resume_memory_occupation":
-        from sglang.srt.constants import GPU_MEMORY_TYPE_WEIGHTS
-
-        tags = getattr(recv_req, "tags", None)
-        weights = not tags or GPU_MEMORY_TYPE_WEIGHTS in tags
-        return weights and not _weights_backed_up()
-    return True
-
-
-def _weights_backed_up() -> bool:
-    """Whether released weights are restored from a CPU copy (then a resume
-    brings back exactly the weights that were served)."""
-    try:
-        from sglang.srt.runtime_context import get_exec
-
-        return bool(get_exec().features.enable_weights_cpu_backup)
-    except Exception:  # not published in this process: assume no backup
-        return False
-
-
 def _around_commit_completed_offloads(
     original: Callable[..., Any], wrapper: Any, successes: Iterable[bool]
 ) -> Any:
@@ -415,6 +377,14 @@ def _around_commit_completed_offloads(
     if evicted:
         clear_stored_marks(wrapper.cache, evicted)
     return result
+
+
+def _after_on_idle(result: Any, scheduler: Any) -> None:
+    """No batch this pass: the linker may block briefly for its own background
+    work (``scheduler_idle``); any other linker returns at once."""
+    backend = _backend(getattr(scheduler, "tree_cache", None))
+    if backend is not None:
+        linker_hook(backend, "scheduler_idle")()
 
 
 def _after_check_hicache_events(result: Any, cache: Any) -> None:

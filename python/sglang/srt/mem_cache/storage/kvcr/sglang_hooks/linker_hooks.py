@@ -73,6 +73,10 @@ class PreparationHooks:
         """Page hashes whose external copy was evicted since the last call."""
         return []
 
+    def scheduler_idle(self) -> None:
+        """The scheduler had no batch to run this pass and loops again at once
+        (it may block here briefly, bounded, for its own background work)."""
+
     def weights_changing(
         self, source: str, model_path: str | None = None, load_format: str | None = None
     ) -> None:
@@ -102,6 +106,7 @@ HOOK_NAMES = (
     "release_request",
     "finish_request",
     "take_removed_page_hashes",
+    "scheduler_idle",
     "weights_changing",
 )
 
