@@ -225,6 +225,16 @@ class KVCRDirectLinker(
             self._await_local_claims(ctx.rid)
         return ctx.handle
 
+    def tail_may_hit(self, rid: str, first_page_hash: str) -> bool:
+        """Restores are prefix-contiguous: a tail whose first page is not resident
+        here restores nothing without a hint. An earlier attempt's preparation
+        still takes the full path (which replaces it)."""
+        if self.preparations.get(rid) is not None:
+            return True
+        held = self.residency.holds(first_page_hash, self.layout.full_pools)
+        self.stats.prepare_skipped += not held
+        return held
+
     def _await_local_claims(self, rid: str) -> None:
         """Claims of pages resident here come at once: wait (a step's waits share
         ``local_hit_wait_ms``) to admit it this pass; the readiness MIN agrees."""

@@ -312,6 +312,62 @@ def test_tail_behind_a_device_resident_prefix_is_prepared_and_restored_bit_exact
     assert linker.claims_held() == 0
 
 
+def test_a_cold_tail_is_not_prepared_and_only_its_first_page_is_hashed(
+    make_stack, monkeypatch
+):
+    """Hint-less, first tail page not resident: no preparation and no full tail
+    hash at enqueue (``prepare_skipped``), and the request is admitted at once.
+    Its first page resident (the rest not): prepared through the full path. An
+    attempt with an earlier preparation always takes the full path."""
+    stack = make_stack()
+    cache, linker = stack.cache, stack.linker
+    resident = list(range(500, 500 + 2 * PAGE))
+    insert_and_commit(stack, resident, seed=5)
+    evict_from_device(stack, resident)
+    full_tails: list[int] = []
+    tail_hashes = type(cache.linker)._tail_hashes
+
+    def counting(wrapper, *args, **kwargs):
+        full_tails.append(1)
+        return tail_hashes(wrapper, *args, **kwargs)
+
+    monkeypatch.setattr(type(cache.linker), "_tail_hashes", counting)
+    sched = StubScheduler(cache)
+    cold = make_req("cold", [*range(700, 700 + 3 * PAGE), 1])
+    enqueue(sched, cold)
+    assert full_tails == []
+    assert linker.preparations.get("cold") is None
+    assert linker.stats.prepare_skipped == 1
+    assert linker.preparation_ready(handle_of(cold))
+    warm = make_req("warm", [*resident, *range(800, 800 + PAGE), 1])
+    enqueue(sched, warm)
+    assert full_tails == [1]
+    assert linker.preparations.get("warm") is not None
+    assert linker.stats.prepare_skipped == 1
+    # A new attempt of a prepared request (retract, requeue) replaces the old
+    # preparation through the full path even when its first page left DRAM.
+    monkeypatch.setattr(linker, "residency", _NothingResident(linker.residency))
+    enqueue(sched, warm)
+    assert full_tails == [1, 1]
+    assert linker.stats.prepare_skipped == 1
+
+
+class _NothingResident:
+    """A residency index that holds no page (everything else passes through)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def holds(self, *args: Any, **kwargs: Any) -> bool:
+        return False
+
+    def __contains__(self, key: Any) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 # ---- 2. aborts release claims ----------------------------------------------------
 
 

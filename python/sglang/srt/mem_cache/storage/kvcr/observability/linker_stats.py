@@ -103,6 +103,9 @@ class LinkerStats:
     # Local-only preparations whose claims took longer than local_hit_wait_ms
     # (admitted a pass later).
     local_hit_waits_expired: int = 0
+    # Hint-less requests whose tail's first page is not resident here: not
+    # prepared, only that page hashed at enqueue.
+    prepare_skipped: int = 0
     # Idle scheduler passes that blocked for an offload in flight
     # (idle_offload_wait_us), and the time they blocked.
     idle_offload_waits: int = 0
@@ -216,6 +219,7 @@ def snapshot(
         "claimed_bytes": p.claimed_bytes,
         "refused_claimed": s.refused_claimed,
         "local_hit_waits_expired": s.local_hit_waits_expired,
+        "prepare_skipped": s.prepare_skipped,
         "idle_offload_waits": s.idle_offload_waits,
         "idle_offload_wait_ms_total": round(s.idle_offload_wait_ms_total, 3),
         "refused_offload": adapter.refused_offload,

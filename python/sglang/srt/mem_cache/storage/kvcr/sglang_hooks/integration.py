@@ -168,8 +168,11 @@ def wrapper_prepare_request(wrapper: Any, req: Any) -> Any:
     key = _req_radix_key(cache, req, tokens, req._compute_max_prefix_len(len(tokens)))
     result = cache.match_prefix(MatchPrefixParams(key=key, cow_mamba=False, req=None))
     view, _ = key.maybe_to_bigram_view(cache.tree_core.is_eagle)
+    kv_hints = getattr(req, "kv_hints", None)
     if result.device_prefix_len >= len(view):
         tail: list[str] = []
+    elif kv_hints is None and not _tail_may_hit(wrapper, req.rid, view, result):
+        return None  # a cold tail: nothing to prepare
     else:
         tail = wrapper._tail_hashes(view, result, result.device_prefix_len)
     transfers = []
@@ -181,7 +184,6 @@ def wrapper_prepare_request(wrapper: Any, req: Any) -> Any:
             return None
         transfers.append(transfer)
     handle = getattr(req, "cache_request_handle", None)
-    kv_hints = getattr(req, "kv_hints", None)
     ctx = LinkerRequestContext(
         rid=req.rid,
         attempt_id=int(getattr(handle, "attempt_id", 0) or 0),
@@ -197,6 +199,26 @@ def wrapper_prepare_request(wrapper: Any, req: Any) -> Any:
         ),
     )
     return linker_hook(wrapper.cache_linker, "prepare_request")(ctx, transfers)
+
+
+def _tail_may_hit(wrapper: Any, rid: str, view: Any, result: Any) -> bool:
+    """The backend's ``tail_may_hit`` on the tail's first page, whose storage
+    hash is computed as the wrapper's ``_tail_hashes`` computes it (anchored on
+    the device prefix's last page, seeded by the request's namespace); True
+    whenever that hash does not exist (the full path then finds no tail)."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    cache = wrapper.cache
+    start, page = result.device_prefix_len, cache.page_size
+    if len(view) - start < page:
+        return True
+    prior = None
+    if start > 0:
+        prior = cache.get_last_hash_value(result.last_device_node)
+        if prior is None:
+            return True
+    first = get_storage_hash_str(view[start : start + page], prior, page_size=page)
+    return bool(linker_hook(wrapper.cache_linker, "tail_may_hit")(rid, first[0]))
 
 
 def wrapper_sync_preparation(wrapper: Any, reqs: list[Any]) -> list[bool]:

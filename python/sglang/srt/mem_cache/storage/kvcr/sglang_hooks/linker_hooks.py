@@ -52,6 +52,12 @@ class PreparationHooks:
     prepares_requests: bool = False
     publishes_external_events: bool = False
 
+    def tail_may_hit(self, rid: str, first_page_hash: str) -> bool:
+        """Whether preparing ``rid`` (no hint) can find anything when its
+        device-uncached tail starts with this page; False skips hashing the
+        rest of the tail and ``prepare_request`` at enqueue."""
+        return True
+
     def prepare_request(self, ctx: LinkerRequestContext, transfers: list[Any]) -> Any:
         """Start making the tail ready; returns a handle for ``preparation_ready``."""
         return None
@@ -100,6 +106,7 @@ class VerdictsPerRequest:
 HOOK_NAMES = (
     "prepares_requests",
     "publishes_external_events",
+    "tail_may_hit",
     "prepare_request",
     "preparation_ready",
     "note_admission",
