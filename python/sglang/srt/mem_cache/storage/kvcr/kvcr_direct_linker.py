@@ -254,7 +254,7 @@ class KVCRDirectLinker(
         return held > bound
 
     def scheduler_idle(self) -> None:
-        """No batch this pass: let deposits in flight end now (``settle``)."""
+        """Fully idle: let deposits in flight end now (``Offloader.settle``)."""
         self.offloader.settle(self._route, self._idle_wait_s)
 
     def preparation_ready(self, handle: PreparationHandle) -> bool:

@@ -175,24 +175,33 @@ def test_an_idle_pass_blocks_until_the_deposit_in_flight_is_answered(held_copy):
     """SGLang's idle loop spins holding the GIL; ``scheduler_idle`` (its
     ``on_idle`` hook) blocks instead while a deposit is in flight, so the owner
     and copier finish it between requests: it returns once the result came back
-    and was routed (the offload is complete without another pump), and returns
-    at once when no deposit is in flight."""
+    and was routed (the offload is complete without another pump). With no
+    deposit in flight it does not wait at all."""
     started, release = held_copy
     pool = make_pool()
     fill_random(pool, [1, 2], seed=16)
-    lk = make_linker(pool, idle_offload_wait_us=20000)
+    lk = make_linker(pool)
+    lk._idle_wait_s = 30.0  # the bound is the next test's; here only the answer
+    drains: list[float] = []
+    drain = lk._adapter.drain
+
+    def counted(wait_s: float = 0.0):
+        drains.append(wait_s)
+        return drain(wait_s)
+
+    lk._adapter.drain = counted
     try:
-        began = time.monotonic()
         lk.scheduler_idle()  # nothing in flight
-        assert time.monotonic() - began < 0.005
+        assert drains == []
         assert lk.stats.idle_offload_waits == 0
         assert lk.offload(kv_transfer(hashes_for(2, "idle-pass"), [1, 2])) is True
         assert lk.num_completed_offloads() == 0  # submitted by this pump
         assert started.wait(5), "the pump did not start the copy"
-        threading.Timer(0.005, release.set).start()
         began = time.monotonic()
+        threading.Timer(0.05, release.set).start()
         lk.scheduler_idle()
-        assert time.monotonic() - began >= 0.004  # it waited for the copy
+        assert time.monotonic() - began >= 0.05  # it waited for the copy
+        assert any(wait > 0 for wait in drains)
         assert lk.offloader.queue.completed() == 1  # answered and routed
         assert lk.stats.idle_offload_waits == 1
         assert lk.pop_completed_offload() is True
@@ -219,6 +228,36 @@ def test_an_idle_pass_waits_no_longer_than_idle_offload_wait_us(held_copy):
         assert 0.019 <= waited < 0.5
         assert lk.offloader.queue.deposits_in_flight
         assert lk.num_completed_offloads() == 0
+        release.set()
+        wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload result")
+        assert lk.pop_completed_offload() is True
+    finally:
+        release.set()
+        lk.close()
+
+
+def test_an_idle_wait_that_raises_is_logged_and_never_tried_again(held_copy, caplog):
+    """The idle wait is an optimisation: a routing error inside it does not
+    reach SGLang's scheduler loop; it is logged and idle passes stop waiting."""
+    started, release = held_copy
+    pool = make_pool()
+    fill_random(pool, [1], seed=18)
+    lk = make_linker(pool)
+    routes: list[float] = []
+
+    def broken(wait_s: float) -> None:
+        routes.append(wait_s)
+        raise RuntimeError("routing failed (injected)")
+
+    try:
+        assert lk.offload(kv_transfer(hashes_for(1, "idle-raise"), [1])) is True
+        lk.num_completed_offloads()
+        assert started.wait(5)
+        lk.offloader.settle(broken, 1.0)
+        assert len(routes) == 1
+        assert "idle wait for offloads failed" in caplog.text
+        lk.offloader.settle(broken, 1.0)
+        assert len(routes) == 1
         release.set()
         wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload result")
         assert lk.pop_completed_offload() is True

@@ -368,6 +368,46 @@ class _NothingResident:
         return getattr(self._inner, name)
 
 
+def test_an_idle_pass_asks_a_preparing_linker_first_and_only_when_fully_idle():
+    """The ``on_idle`` hook: a preparing linker's ``scheduler_idle`` runs before
+    SGLang's idle work (and its ``--sleep-on-idle`` poll), only when nothing
+    waits in any queue; a linker without the hooks (Mooncake, mori) is never
+    asked, and SGLang's own idle work always runs."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
+        PreparationHooks,
+    )
+
+    calls: list[str] = []
+
+    class Preparing(PreparationHooks):
+        prepares_requests = True
+
+        def scheduler_idle(self) -> None:
+            calls.append("linker")
+
+    def scheduler(linker: Any, fully_idle: bool) -> Any:
+        wrapper = SimpleNamespace(cache_linker=linker)
+        return SimpleNamespace(
+            tree_cache=SimpleNamespace(linker=wrapper),
+            is_fully_idle=lambda: fully_idle,
+        )
+
+    def sglang_on_idle(sched: Any) -> str:
+        calls.append("sglang")
+        return "idle"
+
+    for linker, fully_idle, want in (
+        (Preparing(), True, ["linker", "sglang"]),
+        (Preparing(), False, ["sglang"]),
+        (object(), True, ["sglang"]),
+    ):
+        calls.clear()
+        got = integration._around_on_idle(sglang_on_idle, scheduler(linker, fully_idle))
+        assert (got, calls) == ("idle", want)
+
+
 # ---- 2. aborts release claims ----------------------------------------------------
 
 

@@ -221,7 +221,7 @@ def plugin_targets() -> list[str]:
     from sglang.srt.mem_cache.storage.kvcr import plugin
     from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
 
-    return [plugin.CREATE_LINKER_TARGET, *integration.TARGETS, integration._PD_PREFILL]
+    return [plugin.CREATE_LINKER_TARGET, *integration.TARGETS]
 
 
 @contextlib.contextmanager

@@ -118,12 +118,13 @@ class KVCRLinkerConfig:
     idle_offload_wait_us: int = dataclasses.field(
         default=1000,
         metadata=_doc(
-            "Longest the scheduler's idle loop blocks on each pass while an "
-            "offload's deposit is in flight, waiting for its result. SGLang's idle "
-            "loop spins holding Python's GIL, which starves the linker's owner and "
-            "copier threads until the next request's scheduling; blocking hands "
-            "them the GIL, so the offload ends between requests. A request "
-            "arriving meanwhile waits this long at most. 0: never block."
+            "Longest the scheduler's idle loop blocks on each pass, when nothing "
+            "waits in any queue and an offload's deposit is in flight, for its "
+            "result. SGLang's idle loop spins holding Python's GIL, handing it to "
+            "the linker's owner and copier threads only at the switch interval, "
+            "so most of the offload would otherwise run during the next "
+            "request's scheduling; blocking lets it end between requests. A "
+            "request arriving meanwhile waits for the wait. 0: never block."
         ),
     )
     prepare_chunk_pages: int = dataclasses.field(

@@ -1,6 +1,7 @@
 """Where SGLang calls in: the hook protocol, the scheduler/tree hooks, stored marks.
 
 ``linker_hooks`` is the prepare/ready/release/finish protocol a linker implements,
-``integration`` the one module touching SGLang private names (it installs the
-hooks and keeps each linker's ``stored_marks``). Imports ``config`` and ``fleet``.
+``integration`` installs the hooks (checked by ``hook_check``) and keeps each
+linker's ``stored_marks``; SGLang private names are used only there and in
+``weight_updates`` (the weight manager's session). Imports ``config`` and ``fleet``.
 """

@@ -1,4 +1,5 @@
-"""The one module that touches SGLang 0.5.23 private names: scheduler and tree hooks.
+"""Where SGLang 0.5.23's private names are used: scheduler and tree hooks (the
+weight manager's lives beside it, in ``weight_updates``).
 
 ``register_hooks`` installs, through ``HookRegistry``, the hooks that give a
 direct linker the prepare / ready / release / finish contract of ``linker_hooks``
@@ -7,7 +8,8 @@ per-request restore verdicts, release on abort), EXTERNAL stored marks and
 KVCR-eviction gathering across ranks, and weight-update announcements; the docs'
 "How it plugs into SGLang" lists every target and what each does. Linkers without
 the optional hooks (Mooncake, mori) see no behaviour change: every hook returns at
-once unless ``prepares_requests`` / ``publishes_external_events``.
+once unless ``prepares_requests`` / ``publishes_external_events`` (the weight
+announcement calls the no-op default ``weights_changing``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRUnavailableError
 from sglang.srt.mem_cache.storage.kvcr.config.startup_checks import TREE_CORE_ENV
 from sglang.srt.mem_cache.storage.kvcr.fleet.event_hashes import published_aliases
 from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import lora_namespace, stored_marks
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.hook_check import carries
 from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
     LinkerRequestContext,
     PreparationHandle,
@@ -40,6 +43,7 @@ _WRAPPER = (
     "sglang.srt.mem_cache.unified_cache.unified_cache_linker.UnifiedCacheLinkerWrapper"
 )
 _CACHE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
+
 _PD_PREFILL = (
     "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin"
     ".optimistic_release_and_requeue"
@@ -59,6 +63,7 @@ TARGETS: tuple[str, ...] = (
     "sglang.srt.mem_cache.utils.storage_namespace_seed",
     f"{_SCHED}.on_idle",
     *WEIGHT_TARGETS,
+    _PD_PREFILL,
 )
 
 
@@ -76,7 +81,7 @@ def _hooks() -> list[tuple[str, Callable[..., Any], str]]:
         (TARGETS[8], _after_cache_reset, "after"),
         (TARGETS[9], lora_namespace.around_record_lora_name, "around"),
         (TARGETS[10], lora_namespace.around_storage_seed, "around"),
-        (TARGETS[11], _after_on_idle, "after"),
+        (TARGETS[11], _around_on_idle, "around"),
         (_PD_PREFILL, _after_optimistic_requeue, "after"),
     ]
     hooks += [(target, around_weight_update, "around") for target in WEIGHT_TARGETS]
@@ -92,23 +97,6 @@ def register_hooks() -> None:
         HookRegistry.register(target, hook, kinds[kind])
 
 
-def _carries(fn: Any, hook: Callable[..., Any]) -> bool:
-    """Whether ``hook`` is in a registry wrapper along ``fn``'s ``__wrapped__``
-    chain (SGLang's own decorators, such as the scheduler's stage markers, set
-    ``__wrapped__`` too, so its presence alone says nothing)."""
-    for _ in range(16):
-        if fn is None:
-            return False
-        for cell in getattr(fn, "__closure__", None) or ():
-            try:
-                if cell.cell_contents is hook:
-                    return True
-            except ValueError:  # an empty cell
-                continue
-        fn = getattr(fn, "__wrapped__", None)
-    return False
-
-
 def installed_hooks() -> dict[str, bool]:
     """Which hook targets currently carry this module's hook."""
     import importlib
@@ -118,7 +106,7 @@ def installed_hooks() -> dict[str, bool]:
     for target in TARGETS:
         module_path, cls_name, attr = target.rsplit(".", 2)
         cls = getattr(importlib.import_module(module_path), cls_name)
-        status[target] = _carries(getattr(cls, attr), hooks[target])
+        status[target] = carries(getattr(cls, attr), hooks[target])
     return status
 
 
@@ -401,12 +389,21 @@ def _around_commit_completed_offloads(
     return result
 
 
-def _after_on_idle(result: Any, scheduler: Any) -> None:
-    """No batch this pass: the linker may block briefly for its own background
-    work (``scheduler_idle``); any other linker returns at once."""
+def _around_on_idle(
+    original: Callable[..., Any], scheduler: Any, *args: Any, **kw: Any
+) -> Any:
+    """No batch this pass. Fully idle (nothing waiting in any queue), a
+    preparing linker may first block briefly for its own background work
+    (``scheduler_idle``): before SGLang's idle work and its ``--sleep-on-idle``
+    poll, which returns with a request already there to serve."""
     backend = _backend(getattr(scheduler, "tree_cache", None))
-    if backend is not None:
+    if (
+        backend is not None
+        and linker_hook(backend, "prepares_requests")
+        and scheduler.is_fully_idle()
+    ):
         linker_hook(backend, "scheduler_idle")()
+    return original(scheduler, *args, **kw)
 
 
 def _after_check_hicache_events(result: Any, cache: Any) -> None:

@@ -2,11 +2,13 @@
 
 SGLang 0.5.23's ``UnifiedCacheLinker`` has no way to see a request before its
 ``lookup``. These hooks add one: the scheduler hands the request's device-uncached
-tail to ``prepare_request`` at enqueue, polls ``preparation_ready`` (MIN-reduced
+tail to ``prepare_request`` at enqueue (unless ``tail_may_hit`` says its first
+page cannot start a hit and no hint came), polls ``preparation_ready`` (MIN-reduced
 across the attention group) before admitting it, tells ``note_admission`` what each
 gate pass held back or let through, and reports the end of the request
 through ``release_request`` (abort) and ``finish_request`` (every release), and
-announces weight updates through ``weights_changing``. Linkers
+announces weight updates through ``weights_changing``; a fully idle scheduler
+pass calls ``scheduler_idle`` (the linker may block there briefly). Linkers
 that do not subclass ``PreparationHooks`` are driven exactly as before: the
 integration reads every hook with ``getattr`` and these defaults.
 """

@@ -1,7 +1,8 @@
 """Announce weight updates to a preparing linker before the weights change.
 
 Every SGLang weight-manager entry point that replaces the served weights (disk,
-tensor, distributed and IPC updates, a P2P/RDMA session ended without a load,
+tensor, distributed and IPC updates, the start of a weight-update session
+(``begin_weight_update``), a P2P/RDMA session ended without a load,
 ``check_weights`` resetting tensors, a memory resume without a CPU backup of
 the weights) is wrapped (AROUND) so the linker's ``weights_changing`` runs first:
 from then on it refuses restores and offloads until a flush re-keys it. An update
