@@ -231,6 +231,7 @@ class KVCRDirectLinker(
         still takes the full path (which replaces it)."""
         if self.preparations.get(rid) is not None:
             return True
+        self._pump(deposits=False)  # what arrived counts, as in prepare_request
         held = self.residency.holds(first_page_hash, self.layout.full_pools)
         self.stats.prepare_skipped += not held
         return held

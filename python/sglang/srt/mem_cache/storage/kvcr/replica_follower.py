@@ -74,6 +74,9 @@ class ReplicaFollower(VerdictsPerRequest, PreparationHooks, UnifiedCacheLinker):
 
     # ---- preparation: the owner's decides ------------------------------------------
 
+    def tail_may_hit(self, rid: str, first_page_hash: str) -> bool:
+        return False  # nothing to prepare here: no tail hashed at enqueue
+
     def prepare_request(
         self, ctx: LinkerRequestContext, transfers: list[PoolTransfer]
     ) -> PreparationHandle:

@@ -107,3 +107,25 @@ def _call_blocking_on(gate: threading.Event):
     from sglang.srt.mem_cache.storage.kvcr.owner.owner_inbox import Call
 
     return Call(lambda kv: gate.wait(10), Future())
+
+
+def test_a_cold_tail_check_drains_pages_that_just_arrived():
+    """``tail_may_hit`` (the enqueue-time skip of cold tails) drains KVCR's
+    queued results before it calls a page absent, as ``prepare_request`` does:
+    a page whose arrival is queued but not yet drained still starts a hit."""
+    pool = make_pool()
+    fill_random(pool, [1], seed=19)
+    lk = make_linker(pool)
+    try:
+        hashes = hashes_for(1, "just-arrived")
+        assert lk.offload(kv_transfer(hashes, [1])) is True
+        lk.num_completed_offloads()  # the pump submits the deposit
+        # The owner published the page and answered the deposit; nobody drained.
+        wait_until(lambda: lk._adapter._results.qsize() >= 2, what="results queued")
+        assert not lk.residency.holds(hashes[0], lk.layout.full_pools)
+        assert lk.tail_may_hit("r", hashes[0]) is True
+        assert lk.stats.prepare_skipped == 0
+        assert lk.tail_may_hit("r", hashes_for(1, "never-stored")[0]) is False
+        assert lk.stats.prepare_skipped == 1
+    finally:
+        lk.close()

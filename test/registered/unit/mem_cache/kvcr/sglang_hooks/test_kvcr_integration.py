@@ -338,7 +338,6 @@ def test_a_cold_tail_is_not_prepared_and_only_its_first_page_is_hashed(
     assert full_tails == []
     assert linker.preparations.get("cold") is None
     assert linker.stats.prepare_skipped == 1
-    assert linker.preparation_ready(handle_of(cold))
     warm = make_req("warm", [*resident, *range(800, 800 + PAGE), 1])
     enqueue(sched, warm)
     assert full_tails == [1]

@@ -67,7 +67,6 @@ class Offloader:
         self.stats = stats
         self._device = device
         self._timeout_s = timeout_s
-        self._settle_off = False  # an idle wait raised once: no more (settle)
 
     def offload(
         self,
@@ -209,20 +208,16 @@ class Offloader:
         ``budget_s`` (``idle_offload_wait_us``). SGLang's idle loop otherwise
         spins holding the GIL, and the owner and copier threads would finish
         the offload during the next request's scheduling, not between requests.
-        A pure optimisation: should it raise, that is logged and it never waits
-        again (the scheduler loop goes on)."""
-        if budget_s <= 0 or self._settle_off or not self.queue.deposits_in_flight:
+        An error in ``route`` propagates as it does from every other pump (the
+        results it drained are not silently lost here)."""
+        if budget_s <= 0 or not self.queue.deposits_in_flight:
             return
         start = time.monotonic()
         deadline = start + budget_s
-        try:
-            while self.queue.deposits_in_flight:
-                if (left := deadline - time.monotonic()) <= 0:
-                    break
-                route(left)
-        except Exception:
-            self._settle_off = True
-            logger.exception("KVCR: idle wait for offloads failed; no more idle waits")
+        while self.queue.deposits_in_flight:
+            if (left := deadline - time.monotonic()) <= 0:
+                break
+            route(left)
         self.stats.idle_offload_waits += 1
         self.stats.idle_offload_wait_ms_total += (time.monotonic() - start) * 1e3
 

@@ -103,8 +103,8 @@ class LinkerStats:
     # Local-only preparations whose claims took longer than local_hit_wait_ms
     # (admitted a pass later).
     local_hit_waits_expired: int = 0
-    # Hint-less requests whose tail's first page is not resident here: not
-    # prepared, only that page hashed at enqueue.
+    # Enqueued attempts without a hint whose tail's first page is not resident
+    # here (per rank): not prepared, only that page hashed at enqueue.
     prepare_skipped: int = 0
     # Idle scheduler passes that blocked for an offload in flight
     # (idle_offload_wait_us), and the time they blocked.

@@ -82,8 +82,9 @@ class PreparationHooks:
         return []
 
     def scheduler_idle(self) -> None:
-        """The scheduler had no batch to run this pass and loops again at once
-        (it may block here briefly, bounded, for its own background work)."""
+        """The scheduler is fully idle (no batch, nothing waiting), before
+        SGLang's idle work: the linker may block here briefly, bounded, for its
+        own background work."""
 
     def weights_changing(
         self, source: str, model_path: str | None = None, load_format: str | None = None
