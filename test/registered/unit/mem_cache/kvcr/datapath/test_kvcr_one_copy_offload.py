@@ -99,6 +99,21 @@ def _resident(lk) -> int:
     return lk.residency.gauges().resident_keys
 
 
+def _next_result(lk) -> bool:
+    """Wait for the next offload result and take it (whether it stored)."""
+    wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload result")
+    return lk.pop_completed_offload()
+
+
+def _held_deposit(lk, started, n: int, salt: str) -> None:
+    """Offload pages ``1..n`` and pump once: the deposit is submitted and its
+    (held) copy has started, nothing answered yet."""
+    pages = list(range(1, n + 1))
+    assert lk.offload(kv_transfer(hashes_for(n, salt), pages)) is True
+    assert lk.num_completed_offloads() == 0  # submitted by this pump
+    assert started.wait(5), "the pump did not start the copy"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_round_trip_is_byte_exact_and_uses_the_copier(device):
     pool = make_pool(device)
@@ -135,8 +150,7 @@ def test_no_slot_is_ready_before_its_copy_landed(held_copy):
             assert _resident(lk) == 0
             threading.Event().wait(0.01)
         release.set()
-        wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload result")
-        assert lk.pop_completed_offload() is True
+        assert _next_result(lk) is True
         wait_until(lambda: _resident(lk) == 2, what="pages resident")
     finally:
         release.set()
@@ -164,8 +178,7 @@ def test_an_offload_leaves_its_deposit_to_the_next_pump(held_copy):
         assert lk.offloader.queue.deferred_count == 0
         assert started.wait(5), "the pump did not start the copy"
         release.set()
-        wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload result")
-        assert lk.pop_completed_offload() is True
+        assert _next_result(lk) is True
     finally:
         release.set()
         lk.close()
@@ -194,9 +207,7 @@ def test_an_idle_pass_blocks_until_the_deposit_in_flight_is_answered(held_copy):
         lk.scheduler_idle()  # nothing in flight
         assert drains == []
         assert lk.stats.idle_offload_waits == 0
-        assert lk.offload(kv_transfer(hashes_for(2, "idle-pass"), [1, 2])) is True
-        assert lk.num_completed_offloads() == 0  # submitted by this pump
-        assert started.wait(5), "the pump did not start the copy"
+        _held_deposit(lk, started, 2, "idle-pass")
         began = time.monotonic()
         threading.Timer(0.05, release.set).start()
         lk.scheduler_idle()
@@ -219,9 +230,7 @@ def test_an_idle_pass_waits_no_longer_than_idle_offload_wait_us(held_copy):
     fill_random(pool, [1], seed=17)
     lk = make_linker(pool, idle_offload_wait_us=20000)
     try:
-        assert lk.offload(kv_transfer(hashes_for(1, "idle-bound"), [1])) is True
-        lk.num_completed_offloads()
-        assert started.wait(5)
+        _held_deposit(lk, started, 1, "idle-bound")
         began = time.monotonic()
         lk.scheduler_idle()
         waited = time.monotonic() - began
@@ -229,8 +238,7 @@ def test_an_idle_pass_waits_no_longer_than_idle_offload_wait_us(held_copy):
         assert lk.offloader.queue.deposits_in_flight
         assert lk.num_completed_offloads() == 0
         release.set()
-        wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload result")
-        assert lk.pop_completed_offload() is True
+        assert _next_result(lk) is True
     finally:
         release.set()
         lk.close()
@@ -258,8 +266,7 @@ def test_a_flush_before_the_next_pump_drops_the_deferred_offload_unsubmitted():
         assert _resident(lk) == 0
         kept = hashes_for(1, "after-flush")
         assert lk.offload(kv_transfer(kept, [3])) is True
-        wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload result")
-        assert lk.pop_completed_offload() is True
+        assert _next_result(lk) is True
         assert _resident(lk) == 1
     finally:
         lk.close()
@@ -288,8 +295,7 @@ def test_a_local_hit_enqueued_after_an_offload_gets_its_claims_first():
         assert lk.preparation_ready(handle)  # the step's pump: submitted now
         assert lk.offloader.queue.deferred_count == 0
         assert lk.lookup("hit", kv_transfer(resident)) == [1, 2]
-        wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload result")
-        assert lk.pop_completed_offload() is True
+        assert _next_result(lk) is True
         lk.release_request("hit")
     finally:
         lk.close()
@@ -309,8 +315,7 @@ def test_an_offload_whose_submission_raises_fails_and_is_not_awaited():
         assert lk.pop_completed_offload() is False
         assert not lk.offloader.queue.has_pending
         assert lk.offload(kv_transfer(hashes_for(1, "stored"), [2])) is True
-        wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload result")
-        assert lk.pop_completed_offload() is True
+        assert _next_result(lk) is True
         assert calls == [1, 1]
     finally:
         lk.close()
@@ -355,8 +360,7 @@ def test_a_deposit_larger_than_a_chunk_copies_while_it_reserves(monkeypatch):
         lk.copier.chunks = DramCopier.DEVICE_CHUNKS
         hashes = hashes_for(len(pages), "chunks")
         assert lk.offload(kv_transfer(hashes, pages)) is True
-        wait_until(lambda: lk.num_completed_offloads() >= 1, what="offload result")
-        assert lk.pop_completed_offload() is False  # a chunk failed
+        assert _next_result(lk) is False  # a chunk failed
         assert order == [
             f"reserve {first}",
             f"queue {first}",

@@ -28,6 +28,7 @@ from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.hook_check import carries
 from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
     LinkerRequestContext,
     PreparationHandle,
+    cache_linker_of,
     linker_hook,
     merge_held,
 )
@@ -49,39 +50,38 @@ _PD_PREFILL = (
     ".optimistic_release_and_requeue"
 )
 
-TARGETS: tuple[str, ...] = (
-    f"{_SCHED}._add_request_to_queue",
-    f"{_SCHED}._get_new_batch_prefill_raw",
-    f"{_WRAPPER}.release_request",
-    f"{_WRAPPER}.commit_completed_offloads",
-    f"{_WRAPPER}.finish_loads",
-    f"{_CACHE}.on_release",
-    f"{_CACHE}.check_hicache_events",
-    f"{_CACHE}.init_cache_linker",
-    f"{_CACHE}.reset",
-    f"{_SCHED}._record_kv_event_lora_name",  # LoRA namespace (lora_namespace)
-    "sglang.srt.mem_cache.utils.storage_namespace_seed",
-    f"{_SCHED}.on_idle",
-    *WEIGHT_TARGETS,
-    _PD_PREFILL,
-)
-
 
 def _hooks() -> list[tuple[str, Callable[..., Any], str]]:
     """Every (target, hook, kind) this module registers (kind: after/around)."""
     hooks: list[tuple[str, Callable[..., Any], str]] = [
-        (TARGETS[0], _after_add_request_to_queue, "after"),
-        (TARGETS[1], _around_get_new_batch_prefill, "around"),
-        (TARGETS[2], _after_wrapper_release_request, "after"),
-        (TARGETS[3], _around_commit_completed_offloads, "around"),
-        (TARGETS[4], _around_finish_loads, "around"),
-        (TARGETS[5], _after_on_release, "after"),
-        (TARGETS[6], _after_check_hicache_events, "after"),
-        (TARGETS[7], _after_init_cache_linker, "after"),
-        (TARGETS[8], _after_cache_reset, "after"),
-        (TARGETS[9], lora_namespace.around_record_lora_name, "around"),
-        (TARGETS[10], lora_namespace.around_storage_seed, "around"),
-        (TARGETS[11], _around_on_idle, "around"),
+        (f"{_SCHED}._add_request_to_queue", _after_add_request_to_queue, "after"),
+        (
+            f"{_SCHED}._get_new_batch_prefill_raw",
+            _around_get_new_batch_prefill,
+            "around",
+        ),
+        (f"{_WRAPPER}.release_request", _after_wrapper_release_request, "after"),
+        (
+            f"{_WRAPPER}.commit_completed_offloads",
+            _around_commit_completed_offloads,
+            "around",
+        ),
+        (f"{_WRAPPER}.finish_loads", _around_finish_loads, "around"),
+        (f"{_CACHE}.on_release", _after_on_release, "after"),
+        (f"{_CACHE}.check_hicache_events", _after_check_hicache_events, "after"),
+        (f"{_CACHE}.init_cache_linker", _after_init_cache_linker, "after"),
+        (f"{_CACHE}.reset", _after_cache_reset, "after"),
+        (
+            f"{_SCHED}._record_kv_event_lora_name",
+            lora_namespace.around_record_lora_name,
+            "around",
+        ),
+        (
+            "sglang.srt.mem_cache.utils.storage_namespace_seed",
+            lora_namespace.around_storage_seed,
+            "around",
+        ),
+        (f"{_SCHED}.on_idle", _around_on_idle, "around"),
         (_PD_PREFILL, _after_optimistic_requeue, "after"),
     ]
     hooks += [(target, around_weight_update, "around") for target in WEIGHT_TARGETS]
@@ -101,12 +101,11 @@ def installed_hooks() -> dict[str, bool]:
     """Which hook targets currently carry this module's hook."""
     import importlib
 
-    hooks = {target: hook for target, hook, _ in _hooks()}
     status = {}
-    for target in TARGETS:
+    for target, hook, _ in _hooks():
         module_path, cls_name, attr = target.rsplit(".", 2)
         cls = getattr(importlib.import_module(module_path), cls_name)
-        status[target] = carries(getattr(cls, attr), hooks[target])
+        status[target] = carries(getattr(cls, attr), hook)
     return status
 
 
@@ -124,13 +123,8 @@ def require_hooks_installed() -> None:
 # ---- helpers ---------------------------------------------------------------
 
 
-def _backend(tree_cache: Any) -> Any:
-    wrapper = getattr(tree_cache, "linker", None)
-    return None if wrapper is None else wrapper.cache_linker
-
-
 def _preparing_backend(tree_cache: Any) -> Any:
-    backend = _backend(tree_cache)
+    backend = cache_linker_of(tree_cache)
     if backend is None or not linker_hook(backend, "prepares_requests"):
         return None
     return backend
@@ -334,7 +328,7 @@ def _after_wrapper_release_request(result: Any, wrapper: Any, rid: str) -> None:
 
 
 def _after_on_release(result: Any, cache: Any, req: Any, **kwargs: Any) -> None:
-    backend = _backend(cache)
+    backend = cache_linker_of(cache)
     if backend is not None:
         linker_hook(backend, "finish_request")(req.rid)
 
@@ -360,7 +354,7 @@ def _after_init_cache_linker(result: Any, cache: Any, cache_linker: Any) -> None
 
 def _after_cache_reset(result: Any, cache: Any) -> None:
     # A flush rebuilt KVCR empty: nothing indexed is stored externally any more.
-    stored = stored_marks.stored_pages(_backend(cache))
+    stored = stored_marks.stored_pages(cache_linker_of(cache))
     if stored is not None:
         stored.reset()
 
@@ -396,18 +390,14 @@ def _around_on_idle(
     preparing linker may first block briefly for its own background work
     (``scheduler_idle``): before SGLang's idle work and its ``--sleep-on-idle``
     poll, which returns with a request already there to serve."""
-    backend = _backend(getattr(scheduler, "tree_cache", None))
-    if (
-        backend is not None
-        and linker_hook(backend, "prepares_requests")
-        and scheduler.is_fully_idle()
-    ):
+    backend = _preparing_backend(getattr(scheduler, "tree_cache", None))
+    if backend is not None and scheduler.is_fully_idle():
         linker_hook(backend, "scheduler_idle")()
     return original(scheduler, *args, **kw)
 
 
 def _after_check_hicache_events(result: Any, cache: Any) -> None:
-    backend = _backend(cache)
+    backend = cache_linker_of(cache)
     if backend is None or not linker_hook(backend, "publishes_external_events"):
         return
     removed = linker_hook(backend, "take_removed_page_hashes")()
@@ -418,7 +408,7 @@ def _after_check_hicache_events(result: Any, cache: Any) -> None:
 
 def clear_stored_marks(cache: Any, page_hashes: list[str]) -> int:
     """Clear the stored marks of ``page_hashes`` KVCR evicted (stored_marks)."""
-    stored = stored_marks.stored_pages(_backend(cache))
+    stored = stored_marks.stored_pages(cache_linker_of(cache))
     if stored is None:
         return 0
     return stored.clear(cache.tree_core, page_hashes)
@@ -437,3 +427,7 @@ def _node(core: Any, node_id: Any) -> Any:
         return core.node_by_id(node_id)
     except (KeyError, IndexError):
         return None
+
+
+# Every hooked SGLang target, in registration order.
+TARGETS: tuple[str, ...] = tuple(target for target, _, _ in _hooks())

@@ -132,6 +132,13 @@ def linker_hook(linker: object, name: str) -> Any:
     return value
 
 
+def cache_linker_of(tree_cache: Any) -> Any:
+    """The linker behind ``tree_cache``'s linker wrapper, or None (no cache, or
+    a cache without an external linker)."""
+    wrapper = getattr(tree_cache, "linker", None)
+    return None if wrapper is None else wrapper.cache_linker
+
+
 def merge_held(original: list[Any], held: list[Any], after: list[Any]) -> list[Any]:
     """Put held requests back in their original positions; new arrivals go last."""
     held_ids = {id(r) for r in held}

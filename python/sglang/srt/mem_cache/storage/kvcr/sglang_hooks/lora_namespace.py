@@ -21,7 +21,10 @@ import hashlib
 from collections.abc import Callable
 from typing import Any
 
-from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import linker_hook
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
+    cache_linker_of,
+    linker_hook,
+)
 
 SEED_TAG = b"sglang-kvcr-lora-namespace-v1"
 
@@ -87,8 +90,7 @@ def around_record_lora_name(
     """SGLang names a request's LoRA namespace by its final ``extra_key`` here
     (after any elastic-EP suffix), before the request reaches the tree: tag it
     first, when the cache's linker is a preparing (KVCR) one."""
-    wrapper = getattr(getattr(scheduler, "tree_cache", None), "linker", None)
-    backend = getattr(wrapper, "cache_linker", None)
+    backend = cache_linker_of(getattr(scheduler, "tree_cache", None))
     if backend is not None and linker_hook(backend, "prepares_requests"):
         separate(req)
     return original(scheduler, req, *args, **kw)

@@ -15,7 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import linker_hook
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
+    cache_linker_of,
+    linker_hook,
+)
 
 _WEIGHTS = (
     "sglang.srt.managers.scheduler_components.weight_updater"
@@ -42,9 +45,7 @@ def around_weight_update(
     """Tell the backend before the weights change; a failed update leaves them
     unknown (partly loaded, or rolled back), so it is announced again as such."""
     scheduler = getattr(manager, "scheduler", None)
-    tree_cache = getattr(scheduler, "tree_cache", None)
-    wrapper = getattr(tree_cache, "linker", None)
-    backend = None if wrapper is None else wrapper.cache_linker
+    backend = cache_linker_of(getattr(scheduler, "tree_cache", None))
     if backend is None:
         return original(manager, recv_req, *args, **kw)
     source = original.__name__.removeprefix("update_weights_from_")
