@@ -58,8 +58,26 @@ def _dummy_weights_hook() -> None:
     dummy_weights_hook.install()
 
 
+def _dual_gemm_hook() -> None:
+    """No ``cutlass`` on the host: SGLang's Qwen MLPs skip the CuTe DSL dual GEMM
+    (``../pythonpath/dual_gemm_hook.py``); only with the Python-only kernels."""
+    if os.environ.get("SGLANG_KVCR_PY_ONLY_SGL_KERNEL", "").strip().lower() not in (
+        "1",
+        "true",
+        "yes",
+        "on",
+    ):
+        return
+    if _HARNESS not in sys.path:
+        sys.path.append(_HARNESS)
+    import dual_gemm_hook
+
+    dual_gemm_hook.install()
+
+
 _harness_import_hooks()
 _dummy_weights_hook()
+_dual_gemm_hook()
 _harness_import_hooks().start_up(
     __file__,
     flags=("SGLANG_KVCR_PY_ONLY_SGL_KERNEL", "SGLANG_USE_CPU_ENGINE"),

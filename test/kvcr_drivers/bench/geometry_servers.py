@@ -26,7 +26,7 @@ from typing import Any
 
 from cpu_harness import geometry_models, kvcr_servers
 from cpu_harness import server as harness
-from kvcr_drivers.bench.serving import kvcr_linker_config, server_env
+from kvcr_drivers.bench.serving import kvcr_linker_config, prefill_chunk, server_env
 
 DUMMY_ENV = {"SGLANG_KVCR_DUMMY_WEIGHTS": "fan_in"}
 GIB = 1 << 30
@@ -115,7 +115,7 @@ def launch(
         "--max-running-requests",
         "4",
         "--chunked-prefill-size",
-        str(max(prompt_len, 512)),
+        str(prefill_chunk(prompt_len, page)),
         "--load-format",
         "dummy",
         *(["--device", "cuda"] if device == "cuda" else []),

@@ -221,6 +221,13 @@ def kvcr_linker_config(
     }
 
 
+def prefill_chunk(tokens: int, page: int) -> int:
+    """``--chunked-prefill-size`` for prompts of ``tokens``: one chunk per prompt
+    (at least 512), a whole number of pages (SGLang refuses any other size)."""
+    want = max(tokens, 512)
+    return -(-want // page) * page
+
+
 def base_server_args(args: argparse.Namespace, max_total: int) -> list[str]:
     extra = [
         "--page-size",
@@ -230,7 +237,7 @@ def base_server_args(args: argparse.Namespace, max_total: int) -> list[str]:
         "--max-running-requests",
         "4",
         "--chunked-prefill-size",
-        str(max(args.prompt_len, 512)),
+        str(prefill_chunk(args.prompt_len, args.page_size)),
     ]
     if args.device == "cuda":
         extra = ["--device", "cuda", *extra]

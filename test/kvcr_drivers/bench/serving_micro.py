@@ -224,7 +224,7 @@ def bench_serving(
         "--max-running-requests",
         "4",
         "--chunked-prefill-size",
-        str(max(args.ttft_prompt_len, 512)),
+        str(serving.prefill_chunk(args.ttft_prompt_len, args.ttft_page_size)),
     ]
     linker_args = harness.kvcr_linker_args(
         serving.kvcr_linker_config(256 * MIB, 10000, {})

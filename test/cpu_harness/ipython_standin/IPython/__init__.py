@@ -8,3 +8,6 @@ directory on ``PYTHONPATH`` only when ``import IPython.display`` fails on the ho
 
 __version__ = "0.0.0+kvcr-standin"
 __kvcr_standin__ = True
+# matplotlib's canvas reads ``sys.modules["IPython"].version_info`` whenever IPython
+# was imported; from 8.24 on it leaves IPython alone, which suits a stand-in.
+version_info = (8, 24, 0, "")

@@ -61,16 +61,16 @@ def _hold_copies(monkeypatch, fails: bool = False):
     """Every copy waits for ``release`` before moving a byte (then raises, when
     ``fails``); returns ``(started, release)``."""
     release, started = threading.Event(), threading.Event()
-    original = DramCopier._copy
+    original = DramCopier._issue
 
     def held(self, job, stream):
         started.set()
         assert release.wait(10), "test never released the copy"
         if fails:
             raise RuntimeError("copy failed (injected)")
-        original(self, job, stream)
+        return original(self, job, stream)
 
-    monkeypatch.setattr(DramCopier, "_copy", held)
+    monkeypatch.setattr(DramCopier, "_issue", held)
     return started, release
 
 
@@ -333,7 +333,7 @@ def test_a_deposit_larger_than_a_chunk_copies_while_it_reserves(monkeypatch):
     assert 0 < rest <= later
     order: list[str] = []
     reserve = batched_slots.reserve
-    start, copy = DramCopier.start, DramCopier._copy
+    start, issue = DramCopier.start, DramCopier._issue
 
     def reserving(core, keys, *args, **kwargs):
         order.append(f"reserve {len(keys)}")
@@ -346,11 +346,11 @@ def test_a_deposit_larger_than_a_chunk_copies_while_it_reserves(monkeypatch):
     def copying(self, job, stream):
         if len(job.pairs) != first:
             raise RuntimeError("second chunk's copy failed (injected)")
-        copy(self, job, stream)
+        return issue(self, job, stream)
 
     monkeypatch.setattr(batched_slots, "reserve", reserving)
     monkeypatch.setattr(DramCopier, "start", starting)
-    monkeypatch.setattr(DramCopier, "_copy", copying)
+    monkeypatch.setattr(DramCopier, "_issue", copying)
     pool = make_pool()
     fill_random(pool, pages, seed=18)
     want = {p: page_bytes(pool, p).clone() for p in pages[:first]}
@@ -469,7 +469,7 @@ def test_a_failed_copy_is_a_failed_offload(monkeypatch, device):
     if device == "cuda":
         monkeypatch.setattr(DramCopier, "_copy_pages_device", broken_device)
     else:
-        monkeypatch.setattr(DramCopier, "_copy", broken)
+        monkeypatch.setattr(DramCopier, "_issue", broken)
     pool = make_pool(device)
     fill_random(pool, [1], seed=14)
     lk = make_linker(pool)
@@ -622,6 +622,70 @@ def test_a_device_copier_moves_host_staging_rows_with_the_host_copy(monkeypatch)
         assert copier.close(5)
 
 
+class _HeldEvent:
+    """Stands in for the event after a job's queued copies: done when set."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        assert self.done.is_set()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _QueuedCopies(_CudaHostStandIn):
+    """A device copier whose queued copies end only when the test says: each
+    job's end event is held (``events``, in issue order)."""
+
+    events: list = dataclasses.field(default_factory=list)
+
+    def mark(self, stream):
+        event = _HeldEvent()
+        self.events.append(event)
+        return event
+
+
+def test_a_job_is_queued_while_the_one_before_still_copies():
+    """The copier queues a job's copies while the previous job's are still in
+    flight (the copy engine never waits for this thread to launch), and no job
+    reports before the event after its own copies: the first reports landed only
+    once its event completed, the second only after its own."""
+    page_rows = torch.arange(64, dtype=torch.uint8).view(4, 16) + 1
+    stores = {"kv": torch.zeros(8 * 16, dtype=torch.uint8)}
+    binding = _QueuedCopies(torch.device("cpu"))
+    copier = DramCopier({"kv": [page_rows]}, lambda: stores, binding)
+    slots = stores["kv"].view(8, 16)
+    try:
+        def start(page: int, slot: int):
+            ref = SlotRef("kv", stores["kv"].data_ptr(), 16, slot)
+            return copier.start([(page, ref)], deadline=float("inf"))
+
+        first = start(1, 2)
+        wait_until(lambda: len(binding.events) == 1, what="first job queued")
+        time.sleep(0.05)  # the copier now waits for the first job's copies
+        second = start(3, 5)
+        # The second job's copies are queued (here: run inline) at once.
+        wait_until(lambda: len(binding.events) == 2, what="second job queued")
+        assert torch.equal(slots[5], page_rows[3])
+        time.sleep(0.05)
+        assert first.poll() is None and second.poll() is None
+        binding.events[0].done.set()
+        wait_until(lambda: first.poll() is not None, what="first job settled")
+        assert first.poll() is True
+        time.sleep(0.05)
+        assert second.poll() is None  # its own copies have not ended yet
+        binding.events[1].done.set()
+        wait_until(lambda: second.poll() is not None, what="second job settled")
+        assert second.poll() is True and copier.copied_bytes == 32
+    finally:
+        for event in binding.events:
+            event.done.set()
+        assert copier.close(5)
+
+
 def test_pages_land_in_their_slots_whatever_the_order():
     """Property: any pages into any distinct slots (runs, strides, singles), each
     slot holding every span of its page in span order."""
@@ -733,7 +797,7 @@ def test_a_wedged_copier_fails_its_offloads_and_takes_the_linker_down(monkeypatc
     def stalled(stream, timeout_s=0.0):
         raise DeviceStallError("stream did not drain (injected)")
 
-    monkeypatch.setattr(DramCopier, "_copy", broken)
+    monkeypatch.setattr(DramCopier, "_issue", broken)
     monkeypatch.setattr(dram_copy, "drain", stalled)
     pool = make_pool()
     fill_random(pool, [1, 2], seed=16)

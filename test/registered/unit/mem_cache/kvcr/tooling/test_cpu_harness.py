@@ -292,3 +292,32 @@ def test_server_env_appends_an_extra_pythonpath_after_the_harness(tmp_path):
     parts = env["PYTHONPATH"].split(os.pathsep)
     assert parts[:2] == [str(PYTHONPATH_DIR), "/extra/dir"], parts
     assert env["KVCR_PROBE"] == "1"
+
+
+_DUAL_GEMM_PROBE = """
+import json
+from sglang.srt.layers.dual_gemm import DualGemm
+print(json.dumps({"mode": repr(DualGemm._select_mode(None, None, 1024)),
+                  "name": DualGemm._select_mode.__name__}))
+"""
+
+
+@pytest.mark.parametrize(("flags", "hooked"), [(PY_ONLY, True), ({}, False)])
+def test_gpu_shim_keeps_the_cute_dsl_dual_gemm_out_without_cutlass(
+    flags: dict[str, str], hooked: bool
+) -> None:
+    """On the GPU host (no ``cutlass``) the GPU shim makes SGLang's DualGemm pick
+    no fused mode, so a Qwen MLP builds (its import of the CuTe DSL kernel would
+    fail); without the Python-only flag SGLang's own method stays."""
+    assert importlib.util.find_spec("cutlass") is None  # as on the GPU host
+    env = {"SGLANG_USE_CPU_ENGINE": None, "SGLANG_KVCR_PY_ONLY_SGL_KERNEL": None}
+    proc = _run_python(
+        _DUAL_GEMM_PROBE,
+        **{**env, **flags, "PYTHONPATH": str(GPU_PYTHONPATH_DIR)},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if hooked:
+        assert result == {"mode": "None", "name": "_no_fused_mode"}, result
+    else:
+        assert result["name"] == "_select_mode", result

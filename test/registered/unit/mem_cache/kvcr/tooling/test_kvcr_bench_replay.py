@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcr_drivers.bench import serving_replay
+from kvcr_drivers.bench import serving, serving_replay
 from kvcr_drivers.bench.serving_replay import (
     check_round,
     fillers_for,
@@ -179,3 +179,12 @@ def test_missing_lines_or_no_offload_are_errors():
     idle = by_name(write_through_metrics(line(), line(), 2.0, 1))
     assert idle["write_through_refusals"]["passed"] is False
     assert "offloaded no page" in idle["write_through_pages_per_s"]["error"]
+
+
+def test_prefill_chunk_is_whole_pages_and_holds_a_prompt():
+    """SGLang refuses a chunked-prefill size that is not a whole number of pages
+    (the GPU bench's 3000-token prompts at page 64 failed every server start)."""
+    cases = [(3000, 64, 3008), (1024, 64, 1024), (1024, 16, 1024), (100, 64, 512)]
+    for tokens, page, want in cases:
+        got = serving.prefill_chunk(tokens, page)
+        assert got == want and got % page == 0 and got >= tokens, (tokens, page)

@@ -20,6 +20,7 @@ written.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import enum
@@ -35,9 +36,11 @@ import torch
 
 from sglang.srt.mem_cache.storage.kvcr.datapath.span_rows import SpanRows, span_rows
 from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
+    DRAIN_TIMEOUT_S,
     DeviceBinding,
     device_index,
     drain,
+    wait_event,
 )
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.page_fills import SlotRef
 
@@ -156,6 +159,21 @@ class PoolCopy:
         return self.views.slots
 
 
+@dataclasses.dataclass(slots=True)
+class Issued:
+    """A job whose copies are queued: the event after them (None on CPU, where
+    they ran inline), and its pools' views and DRAM, held until it settles."""
+
+    job: CopyJob
+    done: Any
+    groups: list[PoolCopy]
+    nbytes: int
+    stall_at: float  # monotonic: a copy not ended by then wedges the copier
+
+
+_SETTLE = object()  # the copier's next step: settle its oldest copy in flight
+
+
 class DramCopier:
     """Copies deposits' pages into KVCR DRAM on its own thread (module doc).
 
@@ -163,7 +181,13 @@ class DramCopier:
     order (the pool's page rows, or the staging area's); ``storage``: the current
     KVCR DRAM per pool (read at copy time)."""
 
-    SCRATCH_BYTES = 32 << 20
+    # The device scratch holds a whole job where slots allow (at most
+    # DEVICE_CHUNKS[-1] pages, 112 MiB for Qwen3-0.6B's 7 MiB slots): each span is
+    # then gathered once per job and the job moves with one device-to-host copy.
+    # Each chunk costs one launch per span from Python (56 for that model): with
+    # a 32 MiB scratch (4 such pages) those launches, not the DMA, bounded an
+    # H200's offload at 0.27-0.30x a pinned copy.
+    SCRATCH_BYTES = 128 << 20
     # On a device the copy is DMA: a deposit's first 8 pages start moving while
     # kvcr allocates the rest, 16 at a time (page_fills). On CPU the copy needs
     # the cores kvcr's allocation runs on: one reservation (measured faster).
@@ -219,37 +243,63 @@ class DramCopier:
             return False
         return not self.wedged
 
+    # Jobs whose copies are queued on the device at once: the next job's gathers
+    # and copy are queued while the previous one's copy still runs, so the copy
+    # engine does not idle while this thread launches (CPU: copies are inline).
+    IN_FLIGHT = 2
+
     def _run(self) -> None:
         stream, dead = self._device.start_side_thread(
             "DRAM copier cannot use its device; offloads fail"
         )
+        in_flight: collections.deque[Issued] = collections.deque()
         while True:
-            job = self._jobs.get()
+            job = self._next_job(in_flight)
+            if job is _SETTLE:  # the oldest copy in flight ended (or stalled)
+                self._settle(in_flight.popleft())
+                continue
             if job is None:
+                while in_flight:
+                    self._settle(in_flight.popleft())
                 return
+            assert isinstance(job, CopyJob)
             if not job.claim():
                 continue  # cancelled or late: failed, its slots never written
             if dead is not None or self.wedged:
                 job.finish(False)
                 continue
             try:
-                self._copy(job, stream)
-                job.finish(True)
+                in_flight.append(self._issue(job, stream))
             except BaseException:
                 logger.exception("KVCR offload copy into DRAM failed")
-                try:
-                    drain(stream)  # nothing may still write the slots it frees
-                except BaseException:
-                    logger.exception(
-                        "KVCR DRAM copier stream could not be drained: the device "
-                        "is wedged; offloads fail from now on"
-                    )
-                    self.wedged = True  # the job stays RUNNING: slots never freed
-                    continue
-                job.finish(False)
+                self._fail(job, stream, in_flight)
+                continue
+            # A CPU job has landed already (inline): it reports at once.
+            while in_flight and (
+                len(in_flight) >= self.IN_FLIGHT or in_flight[0].done is None
+            ):
+                self._settle(in_flight.popleft())
 
-    def _copy(self, job: CopyJob, stream: Any) -> None:
-        """Every pair of ``job``; returns once all bytes have landed."""
+    def _next_job(self, in_flight: collections.deque[Issued]) -> object:
+        """The next queued job (None: stop); while a copy is in flight, _SETTLE
+        as soon as the oldest one has ended or passed its stall deadline, so a
+        job queued meanwhile is issued at once and an ended one reports at once
+        (polled as ``drain`` polls: 5-50 us apart, 1 ms after 50 ms)."""
+        if not in_flight:
+            return self._jobs.get()
+        head, pause, start = in_flight[0], 5e-6, time.monotonic()
+        while True:
+            try:
+                return self._jobs.get(timeout=pause)
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            if head.done is None or head.done.query() or now >= head.stall_at:
+                return _SETTLE
+            pause = min(pause * 2, 50e-6 if now - start < 0.05 else 1e-3)
+
+    def _issue(self, job: CopyJob, stream: Any) -> Issued:
+        """Queue every pair of ``job`` (CPU: copy them); the copies' end event."""
         groups = self._groups(job)
         with self._device.on(stream):
             for group in groups:
@@ -257,8 +307,45 @@ class DramCopier:
                     _copy_pages(group)
                 else:
                     self._copy_pages_device(group)
-        drain(stream)  # nothing queued without a stream
-        self.copied_bytes += sum(len(g.pages) * g.slots_view.shape[1] for g in groups)
+            done = self._device.mark(stream)
+        nbytes = sum(len(g.pages) * g.slots_view.shape[1] for g in groups)
+        return Issued(job, done, groups, nbytes, time.monotonic() + DRAIN_TIMEOUT_S)
+
+    def _settle(self, issued: Issued) -> None:
+        """Wait (with a deadline) until ``issued``'s bytes have landed; finish it.
+        A copy that never completes wedges the copier: the job stays RUNNING."""
+        if self.wedged:
+            return  # its slots may still be written: never freed
+        if issued.done is not None:
+            try:
+                wait_event(issued.done, max(0.0, issued.stall_at - time.monotonic()))
+            except BaseException:
+                logger.exception(
+                    "KVCR DRAM copy did not complete: the device is wedged; "
+                    "offloads fail from now on"
+                )
+                self.wedged = True
+                return
+        self.copied_bytes += issued.nbytes
+        issued.job.finish(True)
+
+    def _fail(
+        self, job: CopyJob, stream: Any, in_flight: collections.deque[Issued]
+    ) -> None:
+        """``job`` failed while queuing: drain the stream (nothing may still write
+        the slots it frees), settle the jobs queued before it, fail it."""
+        try:
+            drain(stream)
+        except BaseException:
+            logger.exception(
+                "KVCR DRAM copier stream could not be drained: the device "
+                "is wedged; offloads fail from now on"
+            )
+            self.wedged = True  # every job in flight stays RUNNING
+            return
+        while in_flight:
+            self._settle(in_flight.popleft())
+        job.finish(False)
 
     def _groups(self, job: CopyJob) -> list[PoolCopy]:
         """Per pool: its spans' rows, its slot rows and the (page, slot) pairs in
@@ -339,6 +426,8 @@ class DramCopier:
         asynchronous copy (queued on the current stream; the caller drains it)."""
         slot_bytes = group.slots_view.shape[1]
         per_chunk = max(1, self.SCRATCH_BYTES // slot_bytes)
+        if self.chunks:  # no job is larger: allocate no more than one job needs
+            per_chunk = min(per_chunk, self.chunks[-1])
         device = group.parts[0].device
         if self._scratch is None or self._scratch.numel() < per_chunk * slot_bytes:
             # Also within a job (a pool of larger slots): the old block returns to
@@ -360,14 +449,16 @@ class DramCopier:
     def _copy_chunk(
         self, group: PoolCopy, index: torch.Tensor, lo: int, hi: int
     ) -> None:
-        """Pairs ``[lo, hi)`` (consecutive slots) through the scratch."""
+        """Pairs ``[lo, hi)`` (consecutive slots) through the scratch: one gather
+        kernel per span, written in place into the span's columns."""
         assert self._scratch is not None
         slot_bytes = group.slots_view.shape[1]
         picked = self._scratch[: (hi - lo) * slot_bytes].view(hi - lo, slot_bytes)
+        pages = index[lo:hi]
         offset = 0
         for rows in group.parts:
             width = rows.shape[1]
-            picked[:, offset : offset + width].copy_(rows.index_select(0, index[lo:hi]))
+            torch.index_select(rows, 0, pages, out=picked[:, offset : offset + width])
             offset += width
         first = group.slots[lo]
         group.slots_view[first : first + hi - lo].copy_(picked, non_blocking=True)

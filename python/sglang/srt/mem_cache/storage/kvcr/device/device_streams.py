@@ -73,6 +73,15 @@ class DeviceBinding:
         with torch.cuda.stream(stream):
             yield
 
+    def mark(self, stream: Any) -> Any:
+        """An event after everything queued on ``stream`` so far; None on CPU
+        (or without a stream), where nothing is ever queued."""
+        if stream is None or not self.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
     def record_fences(self, forward_stream: Any) -> tuple[Any, ...]:
         """Events on the current stream and on ``forward_stream`` (no host sync)."""
         if not self.is_cuda:
@@ -99,17 +108,17 @@ class DeviceStallError(RuntimeError):
     """A side stream did not drain by its deadline (the device is wedged)."""
 
 
-_DRAIN_TIMEOUT_S = 60.0
+DRAIN_TIMEOUT_S = 60.0
 
 
-def drain(stream: Any, timeout_s: float = _DRAIN_TIMEOUT_S) -> None:
+def drain(stream: Any, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
     """Block this (side) thread until everything queued on ``stream`` is done;
     ``DeviceStallError`` past the deadline. CPU: nothing is ever queued."""
     if stream is not None:
         _poll(stream, timeout_s, "a KVCR side stream did not drain")
 
 
-def wait_event(event: Any, timeout_s: float = _DRAIN_TIMEOUT_S) -> None:
+def wait_event(event: Any, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
     """Block this (side) thread until ``event`` has completed, with a deadline."""
     _poll(event, timeout_s, "a KVCR copy did not complete")
 
