@@ -29,7 +29,7 @@ class DualGemmHook(ModuleHook):
         module.DualGemm._select_mode = _no_fused_mode
 
 
-def _no_fused_mode(self, gate_up_proj, hidden_size):  # noqa: ANN001, ANN202
+def _no_fused_mode(self: object, gate_up_proj: object, hidden_size: int) -> None:
     return None
 
 

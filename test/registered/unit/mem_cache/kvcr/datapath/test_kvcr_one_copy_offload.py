@@ -659,6 +659,7 @@ def test_a_job_is_queued_while_the_one_before_still_copies():
     copier = DramCopier({"kv": [page_rows]}, lambda: stores, binding)
     slots = stores["kv"].view(8, 16)
     try:
+
         def start(page: int, slot: int):
             ref = SlotRef("kv", stores["kv"].data_ptr(), 16, slot)
             return copier.start([(page, ref)], deadline=float("inf"))
@@ -715,6 +716,7 @@ def test_pages_land_in_their_slots_whatever_the_order():
                 # The CUDA path's assembly (scratch laid out as the slots, chunked
                 # by its size), run here on CPU tensors: the same placement.
                 copier.SCRATCH_BYTES = rng.choice([1, 2, 5]) * slot_bytes
+                copier.gather_in_place = case % 2 == 0  # both gathers
                 job.cancel()
                 for group in copier._groups(job):
                     copier._copy_pages_device(group)

@@ -215,6 +215,9 @@ class DramCopier:
         on_device = any(p.is_cuda for parts in sources.values() for p in parts)
         self.chunks = self.DEVICE_CHUNKS if on_device else None  # staging: host
         self.copied_bytes = 0
+        # Device gathers write each span's columns of the scratch directly; False
+        # (a torch refusing a strided ``out``): through a temporary per span.
+        self.gather_in_place = True
         # A failed copy whose stream would not drain: the device is wedged, that
         # job stays RUNNING (its slots may still be written, never freed) and
         # every later job fails at once. The linker goes down for good.
@@ -458,7 +461,19 @@ class DramCopier:
         offset = 0
         for rows in group.parts:
             width = rows.shape[1]
-            torch.index_select(rows, 0, pages, out=picked[:, offset : offset + width])
+            target = picked[:, offset : offset + width]
+            if self.gather_in_place:
+                try:
+                    torch.index_select(rows, 0, pages, out=target)
+                except RuntimeError:  # a torch that refuses a strided ``out``
+                    logger.warning(
+                        "KVCR offload: index_select into scratch columns refused; "
+                        "gathering through a temporary from now on",
+                        exc_info=True,
+                    )
+                    self.gather_in_place = False
+            if not self.gather_in_place:
+                target.copy_(rows.index_select(0, pages))
             offset += width
         first = group.slots[lo]
         group.slots_view[first : first + hi - lo].copy_(picked, non_blocking=True)
