@@ -3,7 +3,8 @@
 ``page_numbers`` and ``covers`` read a ``PoolTransfer``'s token-slot index tensor
 without a host sync (shape metadata, or arithmetic where the tensor lives);
 ``page_rows`` views a pool buffer as one byte row per page, the shape every copy
-into or out of the pool (offload, restore, replica broadcast) indexes.
+into or out of the pool (offload, restore, replica broadcast) indexes, and
+``word_rows`` views such byte rows as 8-byte words for the device kernels.
 """
 
 from __future__ import annotations
@@ -28,3 +29,14 @@ def page_rows(tensor: torch.Tensor, rows: int, page_bytes: int) -> torch.Tensor:
     pages = tensor.shape[0] // rows
     flat = tensor[: pages * rows].reshape(-1).view(torch.uint8)
     return flat.view(pages, page_bytes)
+
+
+def word_rows(*rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Byte rows as 8-byte words when every one of them allows it, else all as
+    given: device gather and scatter kernels move one element per thread, so
+    words move 8 times fewer (the first H200 run's byte gathers were a visible
+    share of an offload). Only moved, never computed on: every bit arrives."""
+    try:
+        return tuple(r.view(torch.int64) for r in rows)
+    except RuntimeError:  # a row size or offset not a multiple of 8
+        return rows

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from sglang.srt.mem_cache.storage.kvcr.datapath.device_pages import word_rows
 from sglang.srt.mem_cache.storage.kvcr.datapath.span_rows import SpanRows, span_rows
 from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
     DRAIN_TIMEOUT_S,
@@ -453,13 +454,15 @@ class DramCopier:
         self, group: PoolCopy, index: torch.Tensor, lo: int, hi: int
     ) -> None:
         """Pairs ``[lo, hi)`` (consecutive slots) through the scratch: one gather
-        kernel per span, written in place into the span's columns."""
+        kernel per span, written in place into the span's columns, on 8-byte
+        words where every span allows (``word_rows``)."""
         assert self._scratch is not None
         slot_bytes = group.slots_view.shape[1]
-        picked = self._scratch[: (hi - lo) * slot_bytes].view(hi - lo, slot_bytes)
+        block = self._scratch[: (hi - lo) * slot_bytes].view(hi - lo, slot_bytes)
+        picked, *parts = word_rows(block, *group.parts)
         pages = index[lo:hi]
         offset = 0
-        for rows in group.parts:
+        for rows in parts:
             width = rows.shape[1]
             target = picked[:, offset : offset + width]
             if self.gather_in_place:
@@ -476,7 +479,7 @@ class DramCopier:
                 target.copy_(rows.index_select(0, pages))
             offset += width
         first = group.slots[lo]
-        group.slots_view[first : first + hi - lo].copy_(picked, non_blocking=True)
+        group.slots_view[first : first + hi - lo].copy_(block, non_blocking=True)
 
 
 def _copy_pages(group: PoolCopy) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolTransfer
 
-from sglang.srt.mem_cache.storage.kvcr.datapath.device_pages import covers
+from sglang.srt.mem_cache.storage.kvcr.datapath.device_pages import covers, word_rows
 from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import (
     CpuRestorePlan,
     SpanRestore,
@@ -381,9 +381,9 @@ class Restorer:
             # Whole slot runs per pool, every layer at once (see SpanRestore);
             # layers complete when the stream has drained.
             for name, (dest, slots) in moves.items():
-                store, targets = _word_rows(
+                store, *targets = word_rows(
                     self._dram.storage[name].view(-1, self._page_bytes[name]),
-                    self.dest_rows[name],
+                    *self.dest_rows[name],
                 )
                 self.span_restore.copy_pool(targets, dest, store, slots)
             drain(stream)
@@ -410,14 +410,3 @@ class Restorer:
         if rows is None:
             rows = self._span_rows[name] = span_rows(self.dest_rows[name])
         return rows
-
-
-def _word_rows(
-    store: torch.Tensor, parts: list[torch.Tensor]
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Byte rows as 8-byte words when every one of them allows it (device kernels
-    move words faster than bytes), else all as bytes."""
-    try:
-        return store.view(torch.int64), [rows.view(torch.int64) for rows in parts]
-    except RuntimeError:  # row size or offset not a multiple of 8
-        return store, list(parts)
