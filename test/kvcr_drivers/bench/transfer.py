@@ -62,7 +62,8 @@ def transfer_case(
     host = host_bytes(nbytes, device)
     host.random_(0, 256)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    times: dict[str, list[float]] = {
+    timelines: list[dict[str, Any]] = []
+    times: dict[str, Any] = {
         "offload": [],
         "d2h": [],
         "d2h_polled": [],
@@ -73,7 +74,12 @@ def transfer_case(
         settle()
         for rep in range(args.copy_reps + 1):
             hashes = random_hashes(rng, n)
+            started = time.monotonic()
             got = {"offload": offload_once(linker, geo, hashes, src_pages, device)}
+            if rep:
+                timelines.append(
+                    copy_timeline(linker.copier.recent, started, time.monotonic())
+                )
             got["d2h"] = copy_once(host, dev, device)
             got["d2h_polled"] = polled_copy_once(host, dev, device, OFFLOAD_POLL_S)
             if rep == 0:
@@ -91,7 +97,40 @@ def transfer_case(
         linker.close()
         del linker, pool, host, dev
         release_device_memory(device)
+    times["offload_timeline"] = timelines
     return times
+
+
+def copy_timeline(jobs: Any, started: float, ended: float) -> dict[str, Any]:
+    """Where one offload's time went, from its copy jobs' own timestamps (ms):
+    ``reserve`` from ``offload`` (or the previous job) to each job's queuing (the
+    owner thread reserving that chunk's slots), ``wait`` queued to taken by the
+    copier, ``issue`` taken to its copies queued (this thread's launches; on CPU
+    the copy itself), ``copy`` queued to reported (the device copy and its
+    settling), and ``result`` the last report to the offload's result."""
+    mine = [j for j in jobs if started <= j.created <= ended]
+
+    def ms(a: float, b: float) -> float | None:  # None: a step not reached
+        return round((b - a) * 1e3, 3) if a and b else None
+
+    prev = started
+    out: dict[str, Any] = {
+        "jobs": len(mine),
+        "pages": [],
+        "reserve": [],
+        "wait": [],
+        "issue": [],
+        "copy": [],
+    }
+    for job in mine:
+        out["pages"].append(len(job.pairs))
+        out["reserve"].append(ms(prev, job.created))
+        out["wait"].append(ms(job.created, job.claimed))
+        out["issue"].append(ms(job.claimed, job.issued))
+        out["copy"].append(ms(job.issued, job.ended))
+        prev = job.created
+    out["result"] = ms(mine[-1].ended, ended) if mine else None
+    return out
 
 
 def bench_transfer(
@@ -121,13 +160,17 @@ def bench_transfer(
     for n in args.transfer_pages:
         t0 = time.monotonic()
         times = transfer_case(args, geo, n, rng)
+        timelines = times.pop("offload_timeline")
         nbytes = n * geo.page_bytes
         rates = {k: [round(gbps(nbytes, x), 3) for x in v] for k, v in times.items()}
         details[f"{n}p"] = {
             "request_bytes": nbytes,
             "gbps": rates,
             "seconds": round(time.monotonic() - t0, 1),
+            "offload_timeline": timelines,
         }
+        if timelines:
+            print(f"[bench] offload {n}p, last rep's copy jobs (ms): {timelines[-1]}")
         med = {k: statistics.median(v) for k, v in rates.items()}
         for name, value, base in (
             (f"restore_vs_pinned_h2d_{n}p", med["restore"], med["h2d"]),

@@ -65,6 +65,12 @@ class CopyJob:
     state: JobState = JobState.QUEUED
     landed: bool = False
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    # Its timeline (time.monotonic; 0.0 until reached), read by benchmarks:
+    # queued, taken by the copier, its copies queued, reported.
+    created: float = dataclasses.field(default_factory=time.monotonic)
+    claimed: float = 0.0
+    issued: float = 0.0
+    ended: float = 0.0
 
     def poll(self) -> bool | None:
         return self.landed if self.state is JobState.DONE else None
@@ -83,8 +89,10 @@ class CopyJob:
         with self.lock:
             if self.state is not JobState.QUEUED:
                 return False
-            if time.monotonic() < self.deadline:
+            now = time.monotonic()
+            if now < self.deadline:
                 self.state = JobState.RUNNING
+                self.claimed = now
                 return True
             self.state = JobState.DONE
         self._notify()
@@ -94,6 +102,7 @@ class CopyJob:
         with self.lock:
             self.landed = landed
             self.state = JobState.DONE
+            self.ended = time.monotonic()
         self._notify()
 
     def _notify(self) -> None:
@@ -216,6 +225,7 @@ class DramCopier:
         on_device = any(p.is_cuda for parts in sources.values() for p in parts)
         self.chunks = self.DEVICE_CHUNKS if on_device else None  # staging: host
         self.copied_bytes = 0
+        self.recent: collections.deque[CopyJob] = collections.deque(maxlen=64)
         # Device gathers write each span's columns of the scratch directly; False
         # (a torch refusing a strided ``out``): through a temporary per span.
         self.gather_in_place = True
@@ -235,6 +245,7 @@ class DramCopier:
         on_done: Callable[[], object] | None = None,
     ) -> CopyJob:
         job = CopyJob(pairs, deadline, on_done)
+        self.recent.append(job)
         self._jobs.put(job)
         return job
 
@@ -312,6 +323,7 @@ class DramCopier:
                 else:
                     self._copy_pages_device(group)
             done = self._device.mark(stream)
+        job.issued = time.monotonic()
         nbytes = sum(len(g.pages) * g.slots_view.shape[1] for g in groups)
         return Issued(job, done, groups, nbytes, time.monotonic() + DRAIN_TIMEOUT_S)
 
