@@ -227,24 +227,48 @@ def restore_once(
     hashes: list[str],
     dest: list[int],
     device: str,
+    split: list[dict[str, float | None]] | None = None,
 ) -> float:
     """Seconds from ``load`` until the restore finished and the device is idle
-    (prepare and lookup run first, untimed: they happen at enqueue)."""
+    (prepare and lookup run first, untimed: they happen at enqueue); with
+    ``split``, where that time went is appended to it (``restore_split``)."""
     _, _, hit, _ = prepare_and_lookup(linker, rid, kv_transfer(geo, hashes))
     if hit != len(hashes):
         raise RuntimeError(f"restore lookup hit {hit} of {len(hashes)} pages")
     transfers = kv_transfer(geo, hashes, dest, device)
     sync(device)
     t0 = time.perf_counter()
+    m0 = time.monotonic()
     linker.load(rid, transfers)
     index = linker.start_layer_wise_loading()
     ok = linker.finish_layer_wise_loading(index)
     sync(device)
     elapsed = time.perf_counter() - t0
+    if split is not None:
+        split.append(restore_split(linker.restorer.last_times, m0, time.monotonic()))
     linker.finish_request(rid)
     if not ok:
         raise RuntimeError(f"restore failed: {linker.stats_line()}")
     return elapsed
+
+
+def restore_split(times: Any, began: float, ended: float) -> dict[str, float | None]:
+    """Where one restore's time went (ms), from the batch's own timeline:
+    ``start`` load to the batch started, ``wake`` to the copying thread taking
+    it, ``issue`` to its copies queued (this thread's launches; on CPU the copy
+    itself), ``copy`` to the stream drained (GPU only), ``finish`` to the end."""
+
+    def ms(a: float, b: float) -> float | None:  # None: a step not reached
+        return round((b - a) * 1e3, 3) if a and b else None
+
+    last = times.drained or times.issued or times.taken
+    return {
+        "start": ms(began, times.started),
+        "wake": ms(times.started, times.taken),
+        "issue": ms(times.taken, times.issued),
+        "copy": ms(times.issued, times.drained),
+        "finish": ms(last, ended),
+    }
 
 
 def zero_pages(pool: Any, geo: Geometry, pages: list[int]) -> None:

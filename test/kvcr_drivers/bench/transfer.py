@@ -63,6 +63,7 @@ def transfer_case(
     host.random_(0, 256)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     timelines: list[dict[str, Any]] = []
+    restore_splits: list[dict[str, Any]] = []
     times: dict[str, Any] = {
         "offload": [],
         "d2h": [],
@@ -85,7 +86,13 @@ def transfer_case(
             if rep == 0:
                 zero_pages(pool, geo, dst_pages)
             got["restore"] = restore_once(
-                linker, geo, f"t{n}-{rep}", hashes, dst_pages, device
+                linker,
+                geo,
+                f"t{n}-{rep}",
+                hashes,
+                dst_pages,
+                device,
+                restore_splits if rep else None,
             )
             if rep == 0 and not pages_equal(pool, geo, src_pages, dst_pages):
                 raise RuntimeError(f"{n}-page restore was not byte-exact")
@@ -98,6 +105,7 @@ def transfer_case(
         del linker, pool, host, dev
         release_device_memory(device)
     times["offload_timeline"] = timelines
+    times["restore_split"] = restore_splits
     return times
 
 
@@ -161,6 +169,7 @@ def bench_transfer(
         t0 = time.monotonic()
         times = transfer_case(args, geo, n, rng)
         timelines = times.pop("offload_timeline")
+        splits = times.pop("restore_split")
         nbytes = n * geo.page_bytes
         rates = {k: [round(gbps(nbytes, x), 3) for x in v] for k, v in times.items()}
         details[f"{n}p"] = {
@@ -168,9 +177,12 @@ def bench_transfer(
             "gbps": rates,
             "seconds": round(time.monotonic() - t0, 1),
             "offload_timeline": timelines,
+            "restore_split": splits,
         }
         if timelines:
             print(f"[bench] offload {n}p, last rep's copy jobs (ms): {timelines[-1]}")
+        if splits:
+            print(f"[bench] restore {n}p, last rep's split (ms): {splits[-1]}")
         med = {k: statistics.median(v) for k, v in rates.items()}
         for name, value, base in (
             (f"restore_vs_pinned_h2d_{n}p", med["restore"], med["h2d"]),

@@ -39,3 +39,20 @@ def test_copy_timeline_splits_an_offload_by_its_jobs():
         "copy": [],
         "result": None,
     }
+
+
+def test_restore_split_reads_the_batch_timeline():
+    from kvcr_drivers.bench.pools import restore_split
+    from sglang.srt.mem_cache.storage.kvcr.datapath.restore import BatchTimes
+
+    gpu = BatchTimes(started=5.001, taken=5.0015, issued=5.003, drained=5.010)
+    assert restore_split(gpu, 5.0, 5.012) == {
+        "start": 1.0,
+        "wake": 0.5,
+        "issue": 1.5,
+        "copy": 7.0,
+        "finish": 2.0,
+    }
+    cpu = BatchTimes(started=5.001, taken=5.001, issued=5.004)  # never drained
+    got = restore_split(cpu, 5.0, 5.005)
+    assert got["copy"] is None and got["issue"] == 3.0 and got["finish"] == 1.0

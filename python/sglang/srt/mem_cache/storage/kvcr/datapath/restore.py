@@ -157,6 +157,18 @@ def loadable_sources(
     return by_source
 
 
+@dataclasses.dataclass(slots=True)
+class BatchTimes:
+    """The last restore batch's timeline (time.monotonic; 0.0 until reached),
+    read by benchmarks: started by the scheduler, taken by the copying thread,
+    its copies queued, every copy done (stream drained)."""
+
+    started: float = 0.0
+    taken: float = 0.0
+    issued: float = 0.0
+    drained: float = 0.0
+
+
 class Restorer:
     """Queued and running restore batches of one rank (see the module docstring)."""
 
@@ -193,6 +205,7 @@ class Restorer:
         self._paused_until = 0.0
         self._failures = 0  # consecutive failed batches
         self.dead: BaseException | None = None  # why the loader cannot copy
+        self.last_times = BatchTimes()
         self.jobs: queue.SimpleQueue[
             tuple[int, list[LoadJob], tuple[Any, ...]] | None
         ] = queue.SimpleQueue()
@@ -236,6 +249,7 @@ class Restorer:
         self._queued.clear()
         index = self.counter.update_producer()
         self._batches[index] = jobs
+        self.last_times = BatchTimes(started=time.monotonic())
         if self._device.is_cuda:
             # On the loader thread, after the destination indices (current
             # stream) and the launched batch (forward stream: pages freed by
@@ -338,7 +352,7 @@ class Restorer:
         fences: tuple[Any, ...] = (),
         stream: Any = None,
     ) -> None:
-        started = time.monotonic()
+        started = self.last_times.taken = time.monotonic()
         try:
             with self._device.on(stream):
                 wait_fences(stream, fences)
@@ -386,7 +400,9 @@ class Restorer:
                     *self.dest_rows[name],
                 )
                 self.span_restore.copy_pool(targets, dest, store, slots)
+            self.last_times.issued = time.monotonic()
             drain(stream)
+            self.last_times.drained = time.monotonic()
             self.span_restore.drained()
             for layer in range(self.layout.num_layers):
                 self.counter.complete(index, layer)
@@ -402,6 +418,7 @@ class Restorer:
                 plan.copy()
         else:
             self.team.run([piece for plan in plans for piece in plan.pieces()])
+        self.last_times.issued = time.monotonic()  # CPU: the copy itself, done
         for layer in range(self.layout.num_layers):
             self.counter.complete(index, layer)
 
