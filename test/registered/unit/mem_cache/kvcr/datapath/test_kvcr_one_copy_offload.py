@@ -687,6 +687,41 @@ def test_a_job_is_queued_while_the_one_before_still_copies():
         assert copier.close(5)
 
 
+class _FailingEvent(_HeldEvent):
+    """An event whose query reports a device error (a sticky CUDA fault)."""
+
+    def query(self) -> bool:
+        raise RuntimeError("CUDA error: an illegal memory access (injected)")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _FaultyDevice(_QueuedCopies):
+    def mark(self, stream):
+        event = _FailingEvent()
+        self.events.append(event)
+        return event
+
+
+def test_a_device_error_while_a_copy_is_in_flight_wedges_the_copier():
+    """The event after a job's copies reports a device error: that job never
+    reports (its slots may still be written), the copier is wedged (the linker
+    goes down), a later job fails at once, and close says a copy may still run."""
+    page_rows = torch.arange(64, dtype=torch.uint8).view(4, 16) + 1
+    stores = {"kv": torch.zeros(8 * 16, dtype=torch.uint8)}
+    binding = _FaultyDevice(torch.device("cpu"))
+    copier = DramCopier({"kv": [page_rows]}, lambda: stores, binding)
+    ref = SlotRef("kv", stores["kv"].data_ptr(), 16, 2)
+    try:
+        first = copier.start([(1, ref)], deadline=float("inf"))
+        wait_until(lambda: copier.wedged, what="copier wedged")
+        assert first.poll() is None and first.state is dram_copy.JobState.RUNNING
+        later = copier.start([(3, SlotRef("kv", ref.address, 16, 5))], float("inf"))
+        wait_until(lambda: later.poll() is not None, what="later job failed")
+        assert later.poll() is False
+    finally:
+        assert copier.close(5) is False
+
+
 def test_pages_land_in_their_slots_whatever_the_order():
     """Property: any pages into any distinct slots (runs, strides, singles), each
     slot holding every span of its page in span order."""

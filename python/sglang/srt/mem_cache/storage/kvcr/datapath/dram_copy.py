@@ -11,8 +11,9 @@ one tensor (``span_rows``), written in place into the slots: one pass over the
 bytes, one parallel region per run. From device pages each run of
 consecutive slots is assembled on the device in a bounded scratch buffer, laid
 out as the slots are, and moved with one asynchronous device-to-host copy into
-the page-locked slots, on the copier's own stream, which is drained before the
-job reports. A deposit is only submitted after the offload's fences completed,
+the page-locked slots, on the copier's own stream; a job reports only once the
+event recorded after its copies has completed, and the next job's copies are
+queued meanwhile (two jobs in flight at most). A deposit is only submitted after the offload's fences completed,
 so the rows are final when read. A slot whose pool no longer sits where kvcr
 thinks (the DRAM was replaced after a failed close) fails the job: it is never
 written.
@@ -182,6 +183,13 @@ class Issued:
 
 
 _SETTLE = object()  # the copier's next step: settle its oldest copy in flight
+# Errors of the device itself (RuntimeError subclasses): never a sign that torch
+# refuses the in-place gather.
+_DEVICE_ERRORS: tuple[type[BaseException], ...] = tuple(
+    t
+    for t in (getattr(torch, "AcceleratorError", None), torch.OutOfMemoryError)
+    if isinstance(t, type)
+)
 
 
 class DramCopier:
@@ -268,6 +276,20 @@ class DramCopier:
             "DRAM copier cannot use its device; offloads fail"
         )
         in_flight: collections.deque[Issued] = collections.deque()
+        try:
+            self._loop(stream, dead, in_flight)
+        except BaseException:
+            # A bug or a device error outside a job's own handling: whatever is
+            # in flight may still be written, so nothing is freed; offloads fail.
+            logger.exception("KVCR DRAM copier stopped; offloads fail from now on")
+            self.wedged = True
+
+    def _loop(
+        self,
+        stream: Any,
+        dead: BaseException | None,
+        in_flight: collections.deque[Issued],
+    ) -> None:
         while True:
             job = self._next_job(in_flight)
             if job is _SETTLE:  # the oldest copy in flight ended (or stalled)
@@ -309,7 +331,11 @@ class DramCopier:
             except queue.Empty:
                 pass
             now = time.monotonic()
-            if head.done is None or head.done.query() or now >= head.stall_at:
+            try:
+                ended = head.done is None or head.done.query()
+            except BaseException:  # a device error: _settle's wait raises it
+                return _SETTLE
+            if ended or now >= head.stall_at:
                 return _SETTLE
             pause = min(pause * 2, 50e-6 if now - start < 0.05 else 1e-3)
 
@@ -439,7 +465,8 @@ class DramCopier:
     def _copy_pages_device(self, group: PoolCopy) -> None:
         """Device pages -> page-locked slots: per chunk of consecutive slots, each
         span gathered into its place in a scratch laid out as the slots, then one
-        asynchronous copy (queued on the current stream; the caller drains it)."""
+        asynchronous copy (queued on the current stream; the caller waits for an
+        event recorded after them)."""
         slot_bytes = group.slots_view.shape[1]
         per_chunk = max(1, self.SCRATCH_BYTES // slot_bytes)
         if self.chunks:  # no job is larger: allocate no more than one job needs
@@ -480,6 +507,8 @@ class DramCopier:
             if self.gather_in_place:
                 try:
                     torch.index_select(rows, 0, pages, out=target)
+                except _DEVICE_ERRORS:
+                    raise  # the device failed: the job fails, the gather stays
                 except RuntimeError:  # a torch that refuses a strided ``out``
                     logger.warning(
                         "KVCR offload: index_select into scratch columns refused; "
