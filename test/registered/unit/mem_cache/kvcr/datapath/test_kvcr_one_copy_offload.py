@@ -35,12 +35,12 @@ from cpu_harness.kvcr_pages import (
     restore,
     wait_until,
 )
-from sglang.srt.mem_cache.storage.kvcr.datapath import dram_copy
-from sglang.srt.mem_cache.storage.kvcr.datapath.dram_copy import (
+from sglang.srt.mem_cache.storage.kvcr.datapath import copy_jobs, dram_copy
+from sglang.srt.mem_cache.storage.kvcr.datapath.copy_jobs import (
     CopyRefused,
-    DramCopier,
     plan_runs,
 )
+from sglang.srt.mem_cache.storage.kvcr.datapath.dram_copy import DramCopier
 from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
     DeviceBinding,
     DeviceStallError,
@@ -714,7 +714,7 @@ def test_a_device_error_while_a_copy_is_in_flight_wedges_the_copier():
     try:
         first = copier.start([(1, ref)], deadline=float("inf"))
         wait_until(lambda: copier.wedged, what="copier wedged")
-        assert first.poll() is None and first.state is dram_copy.JobState.RUNNING
+        assert first.poll() is None and first.state is copy_jobs.JobState.RUNNING
         later = copier.start([(3, SlotRef("kv", ref.address, 16, 5))], float("inf"))
         wait_until(lambda: later.poll() is not None, what="later job failed")
         assert later.poll() is False
@@ -750,8 +750,8 @@ def test_pages_land_in_their_slots_whatever_the_order():
             if case % 3 == 2:
                 # The CUDA path's assembly (scratch laid out as the slots, chunked
                 # by its size), run here on CPU tensors: the same placement.
-                copier.SCRATCH_BYTES = rng.choice([1, 2, 5]) * slot_bytes
-                copier.gather_in_place = case % 2 == 0  # both gathers
+                copier.gather.scratch_bytes = rng.choice([1, 2, 5]) * slot_bytes
+                copier.gather.in_place = case % 2 == 0  # both gathers
                 job.cancel()
                 for group in copier._groups(job):
                     copier._copy_pages_device(group)
@@ -786,19 +786,19 @@ def test_a_pair_the_copier_cannot_write_is_refused():
             ("kv", 0, 32, 0),  # a slot of another size
             ("kv", 0, 16, 8),  # no such slot
         ):
-            job = dram_copy.CopyJob(
+            job = copy_jobs.CopyJob(
                 [(page, SlotRef(pool, store.data_ptr(), size, slot))], float("inf")
             )
             with pytest.raises(CopyRefused):
                 copier._groups(job)
         ref = SlotRef("kv", store.data_ptr(), 16, 3)
-        twice = dram_copy.CopyJob([(0, ref), (1, ref)], float("inf"))
+        twice = copy_jobs.CopyJob([(0, ref), (1, ref)], float("inf"))
         with pytest.raises(CopyRefused, match="named twice"):
             copier._groups(twice)  # two pages into one slot: neither is written
         # One job naming one pool at two places (checked once per pool, not per
         # pair: the second place is refused, not taken for the first's).
         elsewhere = SlotRef("kv", store.data_ptr() + 16, 16, 1)
-        split = dram_copy.CopyJob([(0, ref), (1, elsewhere)], float("inf"))
+        split = copy_jobs.CopyJob([(0, ref), (1, elsewhere)], float("inf"))
         with pytest.raises(CopyRefused, match="was replaced"):
             copier._groups(split)
         # A later pair of an already checked pool still has its page and its
@@ -807,7 +807,7 @@ def test_a_pair_the_copier_cannot_write_is_refused():
             ((7, SlotRef("kv", store.data_ptr(), 16, 4)), "no page 7"),
             ((1, SlotRef("kv", store.data_ptr(), 16, 8)), "slot 8 is outside"),
         ):
-            job = dram_copy.CopyJob([(0, ref), later], float("inf"))
+            job = copy_jobs.CopyJob([(0, ref), later], float("inf"))
             with pytest.raises(CopyRefused, match=why):
                 copier._groups(job)
     finally:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvcr_drivers.bench.transfer import copy_timeline
-from sglang.srt.mem_cache.storage.kvcr.datapath.dram_copy import CopyJob
+from sglang.srt.mem_cache.storage.kvcr.datapath.copy_jobs import CopyJob
 
 pytestmark = pytest.mark.kvcr
 

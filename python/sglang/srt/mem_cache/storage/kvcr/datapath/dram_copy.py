@@ -9,12 +9,12 @@ offload's staging rows on any host) every span of a run of consecutive
 slots moves with one ``index_select`` over the pool's spans viewed as rows of
 one tensor (``span_rows``), written in place into the slots: one pass over the
 bytes, one parallel region per run. From device pages each run of
-consecutive slots is assembled on the device in a bounded scratch buffer, laid
-out as the slots are, and moved with one asynchronous device-to-host copy into
-the page-locked slots, on the copier's own stream; a job reports only once the
-event recorded after its copies has completed, and the next job's copies are
-queued meanwhile (two jobs in flight at most). A deposit is only submitted after the offload's fences completed,
-so the rows are final when read. A slot whose pool no longer sits where kvcr
+consecutive slots is gathered on the device and moved with one asynchronous
+device-to-host copy into the page-locked slots (``device_gather``), on the
+copier's own stream; a job reports only once the event recorded after its copies
+has completed, and the next job's copies are queued meanwhile (two jobs in
+flight at most). A deposit is only submitted after the offload's fences
+completed, so the rows are final when read. A slot whose pool no longer sits where kvcr
 thinks (the DRAM was replaced after a failed close) fails the job: it is never
 written.
 """
@@ -24,150 +24,33 @@ from __future__ import annotations
 import collections
 import ctypes
 import dataclasses
-import enum
 import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from sglang.srt.mem_cache.storage.kvcr.datapath.device_pages import word_rows
-from sglang.srt.mem_cache.storage.kvcr.datapath.span_rows import SpanRows, span_rows
+from sglang.srt.mem_cache.storage.kvcr.datapath.copy_jobs import (
+    CopyJob,
+    CopyRefused,
+    PoolCopy,
+    SlotViews,
+)
+from sglang.srt.mem_cache.storage.kvcr.datapath.device_gather import DeviceGather
+from sglang.srt.mem_cache.storage.kvcr.datapath.span_rows import span_rows
 from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
     DRAIN_TIMEOUT_S,
     DeviceBinding,
-    device_index,
     drain,
     wait_event,
 )
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.page_fills import SlotRef
 
 logger = logging.getLogger(__name__)
-
-
-class JobState(enum.Enum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    DONE = "done"
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class CopyJob:
-    """One deposit's pairs; ``poll`` is None until no byte of it can still be
-    written, then whether all of them landed (``on_done`` runs then)."""
-
-    pairs: list[tuple[int, SlotRef]]
-    deadline: float
-    on_done: Callable[[], object] | None = None
-    state: JobState = JobState.QUEUED
-    landed: bool = False
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    # Its timeline (time.monotonic; 0.0 until reached), read by benchmarks:
-    # queued, taken by the copier, its copies queued, reported.
-    created: float = dataclasses.field(default_factory=time.monotonic)
-    claimed: float = 0.0
-    issued: float = 0.0
-    ended: float = 0.0
-
-    def poll(self) -> bool | None:
-        return self.landed if self.state is JobState.DONE else None
-
-    def cancel(self) -> bool:
-        """Drop the job if it has not started; whether it was dropped."""
-        with self.lock:
-            if self.state is not JobState.QUEUED:
-                return False
-            self.state = JobState.DONE  # never started: nothing writes its slots
-        self._notify()
-        return True
-
-    def claim(self) -> bool:
-        """Move to RUNNING unless cancelled or past its deadline."""
-        with self.lock:
-            if self.state is not JobState.QUEUED:
-                return False
-            now = time.monotonic()
-            if now < self.deadline:
-                self.state = JobState.RUNNING
-                self.claimed = now
-                return True
-            self.state = JobState.DONE
-        self._notify()
-        return False
-
-    def finish(self, landed: bool) -> None:
-        with self.lock:
-            self.landed = landed
-            self.state = JobState.DONE
-            self.ended = time.monotonic()
-        self._notify()
-
-    def _notify(self) -> None:
-        if self.on_done is not None:
-            try:
-                self.on_done()
-            except Exception:  # a closed owner inbox: it polls no more anyway
-                logger.debug("KVCR copy job: done notice not delivered", exc_info=True)
-
-
-class CopyRefused(RuntimeError):
-    """A pair this copier cannot write (unknown page, size mismatch, DRAM moved)."""
-
-
-def plan_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``[a, b)`` index ranges of ``slots`` whose values advance by one positive
-    stride, with that stride (1 for a single slot)."""
-    runs: list[tuple[int, int, int]] = []
-    n, a = len(slots), 0
-    while a < n:
-        b, stride = a + 1, 0
-        while b < n:
-            step = slots[b] - slots[b - 1]
-            if step <= 0 or (stride and step != stride):
-                break
-            stride = step
-            b += 1
-        runs.append((a, b, stride or 1))
-        a = b
-    return runs
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SlotViews:
-    """One pool's KVCR DRAM as slot rows (``slots``, slot bytes wide) and, for a
-    CPU pool, the pool's spans and the slots as rows of ``elem``-byte elements
-    (``src``, ``dst``: ``span_rows``), for the DRAM ``key`` names (address, slot
-    bytes, slots). A CPU pool's are built once per DRAM: every torch view call
-    releases the GIL, and a copier thread beside a scheduler loop that holds it
-    then waits up to a switch interval to take it back."""
-
-    key: tuple[int, int, int]
-    slots: torch.Tensor
-    rows: SpanRows | None = None
-    elem: int = 1
-    src: torch.Tensor | None = None
-    dst: torch.Tensor | None = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PoolCopy:
-    """One pool's share of a job: every span's page rows, the pool's slot views,
-    the (page, slot) pairs in slot order, and the DRAM they write, held for the
-    job (the views own nothing)."""
-
-    parts: list[torch.Tensor]
-    views: SlotViews
-    pages: list[int]
-    slots: list[int]
-    store: torch.Tensor
-
-    @property
-    def slots_view(self) -> torch.Tensor:
-        return self.views.slots
 
 
 @dataclasses.dataclass(slots=True)
@@ -183,13 +66,6 @@ class Issued:
 
 
 _SETTLE = object()  # the copier's next step: settle its oldest copy in flight
-# Errors of the device itself (RuntimeError subclasses): never a sign that torch
-# refuses the in-place gather.
-_DEVICE_ERRORS: tuple[type[BaseException], ...] = tuple(
-    t
-    for t in (getattr(torch, "AcceleratorError", None), torch.OutOfMemoryError)
-    if isinstance(t, type)
-)
 
 
 class DramCopier:
@@ -199,13 +75,6 @@ class DramCopier:
     order (the pool's page rows, or the staging area's); ``storage``: the current
     KVCR DRAM per pool (read at copy time)."""
 
-    # The device scratch holds a whole job where slots allow (at most
-    # DEVICE_CHUNKS[-1] pages, 112 MiB for Qwen3-0.6B's 7 MiB slots): each span is
-    # then gathered once per job and the job moves with one device-to-host copy.
-    # Each chunk costs one launch per span from Python (56 for that model): with
-    # a 32 MiB scratch (4 such pages) those launches, not the DMA, bounded an
-    # H200's offload at 0.27-0.30x a pinned copy.
-    SCRATCH_BYTES = 128 << 20
     # On a device the copy is DMA: a deposit's first 8 pages start moving while
     # kvcr allocates the rest, 16 at a time (page_fills). On CPU the copy needs
     # the cores kvcr's allocation runs on: one reservation (measured faster).
@@ -228,7 +97,7 @@ class DramCopier:
         self._storage = storage
         self._device = device
         self._jobs: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
-        self._scratch: torch.Tensor | None = None
+        self.gather = DeviceGather()  # device pools' scratch (first copy)
         self._views: dict[str, SlotViews] = {}  # CPU pools, for their current DRAM
         on_device = any(p.is_cuda for parts in sources.values() for p in parts)
         self.chunks = self.DEVICE_CHUNKS if on_device else None  # staging: host
@@ -463,64 +332,9 @@ class DramCopier:
         return views
 
     def _copy_pages_device(self, group: PoolCopy) -> None:
-        """Device pages -> page-locked slots: per chunk of consecutive slots, each
-        span gathered into its place in a scratch laid out as the slots, then one
-        asynchronous copy (queued on the current stream; the caller waits for an
-        event recorded after them)."""
-        slot_bytes = group.slots_view.shape[1]
-        per_chunk = max(1, self.SCRATCH_BYTES // slot_bytes)
-        if self.chunks:  # no job is larger: allocate no more than one job needs
-            per_chunk = min(per_chunk, self.chunks[-1])
-        device = group.parts[0].device
-        if self._scratch is None or self._scratch.numel() < per_chunk * slot_bytes:
-            # Also within a job (a pool of larger slots): the old block returns to
-            # the caching allocator on this stream, so only work queued after the
-            # copies reading it can reuse it.
-            self._scratch = torch.empty(
-                per_chunk * slot_bytes, dtype=torch.uint8, device=device
-            )
-        index = device_index(group.pages, device)
-        slots = group.slots
-        for a, b, stride in plan_runs(slots):
-            if stride != 1:
-                for i in range(a, b):
-                    self._copy_chunk(group, index, i, i + 1)
-                continue
-            for lo in range(a, b, per_chunk):
-                self._copy_chunk(group, index, lo, min(b, lo + per_chunk))
-
-    def _copy_chunk(
-        self, group: PoolCopy, index: torch.Tensor, lo: int, hi: int
-    ) -> None:
-        """Pairs ``[lo, hi)`` (consecutive slots) through the scratch: one gather
-        kernel per span, written in place into the span's columns, on 8-byte
-        words where every span allows (``word_rows``)."""
-        assert self._scratch is not None
-        slot_bytes = group.slots_view.shape[1]
-        block = self._scratch[: (hi - lo) * slot_bytes].view(hi - lo, slot_bytes)
-        picked, *parts = word_rows(block, *group.parts)
-        pages = index[lo:hi]
-        offset = 0
-        for rows in parts:
-            width = rows.shape[1]
-            target = picked[:, offset : offset + width]
-            if self.gather_in_place:
-                try:
-                    torch.index_select(rows, 0, pages, out=target)
-                except _DEVICE_ERRORS:
-                    raise  # the device failed: the job fails, the gather stays
-                except RuntimeError:  # a torch that refuses a strided ``out``
-                    logger.warning(
-                        "KVCR offload: index_select into scratch columns refused; "
-                        "gathering through a temporary from now on",
-                        exc_info=True,
-                    )
-                    self.gather_in_place = False
-            if not self.gather_in_place:
-                target.copy_(rows.index_select(0, pages))
-            offset += width
-        first = group.slots[lo]
-        group.slots_view[first : first + hi - lo].copy_(block, non_blocking=True)
+        """Device pages -> page-locked slots (``device_gather``), queued on the
+        current stream."""
+        self.gather.copy(group, self.chunks[-1] if self.chunks else None)
 
 
 def _copy_pages(group: PoolCopy) -> None:
