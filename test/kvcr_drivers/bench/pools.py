@@ -252,22 +252,24 @@ def restore_once(
     return elapsed
 
 
+def span_ms(a: float, b: float) -> float | None:
+    """Milliseconds from ``a`` to ``b`` (monotonic), None when either step was
+    not reached (a timeline's 0.0)."""
+    return round((b - a) * 1e3, 3) if a and b else None
+
+
 def restore_split(times: Any, began: float, ended: float) -> dict[str, float | None]:
     """Where one restore's time went (ms), from the batch's own timeline:
     ``start`` load to the batch started, ``wake`` to the copying thread taking
     it, ``issue`` to its copies queued (this thread's launches; on CPU the copy
     itself), ``copy`` to the stream drained (GPU only), ``finish`` to the end."""
-
-    def ms(a: float, b: float) -> float | None:  # None: a step not reached
-        return round((b - a) * 1e3, 3) if a and b else None
-
     last = times.drained or times.issued or times.taken
     return {
-        "start": ms(began, times.started),
-        "wake": ms(times.started, times.taken),
-        "issue": ms(times.taken, times.issued),
-        "copy": ms(times.issued, times.drained),
-        "finish": ms(last, ended),
+        "start": span_ms(began, times.started),
+        "wake": span_ms(times.started, times.taken),
+        "issue": span_ms(times.taken, times.issued),
+        "copy": span_ms(times.issued, times.drained),
+        "finish": span_ms(last, ended),
     }
 
 

@@ -30,6 +30,7 @@ from kvcr_drivers.bench.pools import (
     polled_copy_once,
     release_device_memory,
     restore_once,
+    span_ms,
     zero_pages,
 )
 
@@ -117,10 +118,6 @@ def copy_timeline(jobs: Any, started: float, ended: float) -> dict[str, Any]:
     the copy itself), ``copy`` queued to reported (the device copy and its
     settling), and ``result`` the last report to the offload's result."""
     mine = [j for j in jobs if started <= j.created <= ended]
-
-    def ms(a: float, b: float) -> float | None:  # None: a step not reached
-        return round((b - a) * 1e3, 3) if a and b else None
-
     prev = started
     out: dict[str, Any] = {
         "jobs": len(mine),
@@ -132,12 +129,12 @@ def copy_timeline(jobs: Any, started: float, ended: float) -> dict[str, Any]:
     }
     for job in mine:
         out["pages"].append(len(job.pairs))
-        out["reserve"].append(ms(prev, job.created))
-        out["wait"].append(ms(job.created, job.claimed))
-        out["issue"].append(ms(job.claimed, job.issued))
-        out["copy"].append(ms(job.issued, job.ended))
+        out["reserve"].append(span_ms(prev, job.created))
+        out["wait"].append(span_ms(job.created, job.claimed))
+        out["issue"].append(span_ms(job.claimed, job.issued))
+        out["copy"].append(span_ms(job.issued, job.ended))
         prev = job.created
-    out["result"] = ms(mine[-1].ended, ended) if mine else None
+    out["result"] = span_ms(mine[-1].ended, ended) if mine else None
     return out
 
 

@@ -152,7 +152,7 @@ def test_pd_requeue_prepares_the_request_it_was_given():
     first, requeued = SimpleNamespace(rid="first"), SimpleNamespace(rid="again")
     scheduler = SimpleNamespace(tree_cache=object(), waiting_queue=[first, requeued])
     with (
-        mock.patch.object(integration, "_preparing_backend", return_value=object()),
+        mock.patch.object(integration, "preparing_linker_of", return_value=object()),
         mock.patch.object(integration, "_prepare_safely") as prep,
     ):
         integration._after_optimistic_requeue(None, scheduler, requeued)

@@ -14,9 +14,9 @@ device-to-host copy into the page-locked slots (``device_gather``), on the
 copier's own stream; a job reports only once the event recorded after its copies
 has completed, and the next job's copies are queued meanwhile (two jobs in
 flight at most). A deposit is only submitted after the offload's fences
-completed, so the rows are final when read. A slot whose pool no longer sits where kvcr
-thinks (the DRAM was replaced after a failed close) fails the job: it is never
-written.
+completed, so the rows are final when read. A slot whose pool no longer sits
+where kvcr thinks (the DRAM was replaced after a failed close) fails the job:
+it is never written.
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ from sglang.srt.mem_cache.storage.kvcr.datapath.device_gather import DeviceGathe
 from sglang.srt.mem_cache.storage.kvcr.datapath.span_rows import span_rows
 from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
     DRAIN_TIMEOUT_S,
+    FIRST_PAUSE_S,
     DeviceBinding,
     drain,
+    next_pause,
     wait_event,
 )
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.page_fills import SlotRef
@@ -103,9 +105,6 @@ class DramCopier:
         self.chunks = self.DEVICE_CHUNKS if on_device else None  # staging: host
         self.copied_bytes = 0
         self.recent: collections.deque[CopyJob] = collections.deque(maxlen=64)
-        # Device gathers write each span's columns of the scratch directly; False
-        # (a torch refusing a strided ``out``): through a temporary per span.
-        self.gather_in_place = True
         # A failed copy whose stream would not drain: the device is wedged, that
         # job stays RUNNING (its slots may still be written, never freed) and
         # every later job fails at once. The linker goes down for good.
@@ -190,10 +189,10 @@ class DramCopier:
         """The next queued job (None: stop); while a copy is in flight, _SETTLE
         as soon as the oldest one has ended or passed its stall deadline, so a
         job queued meanwhile is issued at once and an ended one reports at once
-        (polled as ``drain`` polls: 5-50 us apart, 1 ms after 50 ms)."""
+        (polled as ``drain`` polls: ``next_pause``)."""
         if not in_flight:
             return self._jobs.get()
-        head, pause, start = in_flight[0], 5e-6, time.monotonic()
+        head, pause, start = in_flight[0], FIRST_PAUSE_S, time.monotonic()
         while True:
             try:
                 return self._jobs.get(timeout=pause)
@@ -206,7 +205,7 @@ class DramCopier:
                 return _SETTLE
             if ended or now >= head.stall_at:
                 return _SETTLE
-            pause = min(pause * 2, 50e-6 if now - start < 0.05 else 1e-3)
+            pause = next_pause(pause, now - start)
 
     def _issue(self, job: CopyJob, stream: Any) -> Issued:
         """Queue every pair of ``job`` (CPU: copy them); the copies' end event."""
@@ -220,7 +219,7 @@ class DramCopier:
             done = self._device.mark(stream)
         job.issued = time.monotonic()
         nbytes = sum(len(g.pages) * g.slots_view.shape[1] for g in groups)
-        return Issued(job, done, groups, nbytes, time.monotonic() + DRAIN_TIMEOUT_S)
+        return Issued(job, done, groups, nbytes, job.issued + DRAIN_TIMEOUT_S)
 
     def _settle(self, issued: Issued) -> None:
         """Wait (with a deadline) until ``issued``'s bytes have landed; finish it.

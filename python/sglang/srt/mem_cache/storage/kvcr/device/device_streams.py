@@ -130,16 +130,24 @@ _FINE_S = 0.05
 _COARSE_PAUSE_S = 1e-3
 
 
+FIRST_PAUSE_S = 5e-6
+
+
+def next_pause(pause: float, waited_s: float) -> float:
+    """The pause after ``pause`` in a poll that has waited ``waited_s``: doubling
+    from ``FIRST_PAUSE_S``, capped at 50 us for the first 50 ms, then at 1 ms."""
+    return min(pause * 2, _FINE_PAUSE_S if waited_s < _FINE_S else _COARSE_PAUSE_S)
+
+
 def _poll(waitable: Any, timeout_s: float, what: str) -> None:
     start = time.monotonic()
     deadline = start + timeout_s
-    pause = 5e-6
+    pause = FIRST_PAUSE_S
     while not waitable.query():
         now = time.monotonic()
         if now >= deadline:
             raise DeviceStallError(f"{what} within {timeout_s:.0f} s")
-        cap = _FINE_PAUSE_S if now - start < _FINE_S else _COARSE_PAUSE_S
-        pause = min(pause * 2, cap)
+        pause = next_pause(pause, now - start)
         time.sleep(pause)
     # Done: returns at once, and tells PyTorch's CUDA sanitizer the work is
     # synchronized (a query() does not count as a synchronization for it).

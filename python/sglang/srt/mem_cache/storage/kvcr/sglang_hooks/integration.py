@@ -31,6 +31,7 @@ from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
     cache_linker_of,
     linker_hook,
     merge_held,
+    preparing_linker_of,
 )
 from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.weight_updates import (
     WEIGHT_TARGETS,
@@ -121,13 +122,6 @@ def require_hooks_installed() -> None:
 
 
 # ---- helpers ---------------------------------------------------------------
-
-
-def _preparing_backend(tree_cache: Any) -> Any:
-    backend = cache_linker_of(tree_cache)
-    if backend is None or not linker_hook(backend, "prepares_requests"):
-        return None
-    return backend
 
 
 def wrapper_prepare_request(wrapper: Any, req: Any) -> Any:
@@ -232,7 +226,7 @@ def _prepare_safely(tree_cache: Any, req: Any) -> None:
 def _after_add_request_to_queue(
     result: Any, scheduler: Any, req: Any, is_retracted: bool = False
 ) -> None:
-    if _preparing_backend(scheduler.tree_cache) is None:
+    if preparing_linker_of(scheduler.tree_cache) is None:
         return
     queue = scheduler.waiting_queue
     bootstrap = getattr(scheduler, "disagg_prefill_bootstrap_queue", None)
@@ -249,7 +243,7 @@ def _after_optimistic_requeue(
 ) -> None:
     """Prepare the request just requeued (its new attempt), wherever it went."""
     tree_cache = getattr(scheduler, "tree_cache", None)
-    if tree_cache is None or _preparing_backend(tree_cache) is None:
+    if tree_cache is None or preparing_linker_of(tree_cache) is None:
         return
     req = args[0] if args else kw.get("req")
     if req is not None:
@@ -261,7 +255,7 @@ def _around_get_new_batch_prefill(
 ) -> Any:
     tree_cache = scheduler.tree_cache
     queue = scheduler.waiting_queue
-    if not queue or _preparing_backend(tree_cache) is None:
+    if not queue or preparing_linker_of(tree_cache) is None:
         return original(scheduler, *args, **kwargs)
     ready = wrapper_sync_preparation(tree_cache.linker, queue)
     linker_hook(tree_cache.linker.cache_linker, "note_admission")(
@@ -390,7 +384,7 @@ def _around_on_idle(
     preparing linker may first block briefly for its own background work
     (``scheduler_idle``): before SGLang's idle work and its ``--sleep-on-idle``
     poll, which returns with a request already there to serve."""
-    backend = _preparing_backend(getattr(scheduler, "tree_cache", None))
+    backend = preparing_linker_of(getattr(scheduler, "tree_cache", None))
     if backend is not None and scheduler.is_fully_idle():
         linker_hook(backend, "scheduler_idle")()
     return original(scheduler, *args, **kw)

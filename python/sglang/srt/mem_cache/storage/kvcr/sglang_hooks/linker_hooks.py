@@ -139,6 +139,15 @@ def cache_linker_of(tree_cache: Any) -> Any:
     return None if wrapper is None else wrapper.cache_linker
 
 
+def preparing_linker_of(tree_cache: Any) -> Any:
+    """``cache_linker_of(tree_cache)`` when it prepares requests (a KVCR linker),
+    else None."""
+    backend = cache_linker_of(tree_cache)
+    if backend is None or not linker_hook(backend, "prepares_requests"):
+        return None
+    return backend
+
+
 def merge_held(original: list[Any], held: list[Any], after: list[Any]) -> list[Any]:
     """Put held requests back in their original positions; new arrivals go last."""
     held_ids = {id(r) for r in held}

@@ -22,8 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
-    cache_linker_of,
-    linker_hook,
+    preparing_linker_of,
 )
 
 SEED_TAG = b"sglang-kvcr-lora-namespace-v1"
@@ -90,8 +89,7 @@ def around_record_lora_name(
     """SGLang names a request's LoRA namespace by its final ``extra_key`` here
     (after any elastic-EP suffix), before the request reaches the tree: tag it
     first, when the cache's linker is a preparing (KVCR) one."""
-    backend = cache_linker_of(getattr(scheduler, "tree_cache", None))
-    if backend is not None and linker_hook(backend, "prepares_requests"):
+    if preparing_linker_of(getattr(scheduler, "tree_cache", None)) is not None:
         separate(req)
     return original(scheduler, req, *args, **kw)
 
