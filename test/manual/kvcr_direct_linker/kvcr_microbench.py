@@ -147,6 +147,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--samples", type=int, default=300, help="latency samples")
     p.add_argument("--copy-reps", type=int, default=9, help="bandwidth repetitions")
+    p.add_argument(
+        "--one-stream-too",
+        action="store_true",
+        help="cuda: also run each transfer size with the device scratches on one "
+        "stream (informational one_stream_* figures, side by side)",
+    )
     p.add_argument("--ttft-prompts", type=int, default=40)
     p.add_argument("--ttft-prompt-len", type=int, default=1024)
     p.add_argument("--ttft-page-size", type=int, default=16)

@@ -200,8 +200,8 @@ def test_span_restore_matches_row_copies(device, row_bytes, source) -> None:
     ]
     expected = [_reference(d, dest, store, slots, p) for p, d in enumerate(before)]
     dsts = [d.to(dev) for d in before]
-    # Scratch of three pages' span: runs are chunked and the buffer reused.
-    span = SpanRestore(dev, memory, scratch_bytes=3 * parts * row_bytes)
+    # Halves of three pages' span: runs are chunked and both halves reused.
+    span = SpanRestore(dev, memory, scratch_bytes=2 * 3 * parts * row_bytes)
     try:
         span.copy_pool(dsts, torch.tensor(dest, device=dev), store, slots)
         if dev.type == "cuda":
@@ -240,11 +240,11 @@ def test_outgrown_device_scratch_stays_alive_until_the_stream_drained() -> None:
     dsts = [torch.zeros(8, row, dtype=torch.uint8) for _ in range(parts)]
     dest = [5, 1, 6]
     expected = [_reference(d, dest, store, slots, p) for p, d in enumerate(dsts)]
-    span = SpanRestore(torch.device("cpu"), scratch_bytes=parts * row)
-    first = weakref.ref(span._scratch)
+    span = SpanRestore(torch.device("cpu"), scratch_bytes=2 * parts * row)
+    first = weakref.ref(span._relay.scratch)
     span.copy_pool(dsts, torch.tensor(dest), store, slots)
     assert all(torch.equal(g, w) for g, w in zip(dsts, expected, strict=True))
-    assert span._scratch.numel() == (2 * parts - 1) * row  # it grew once
+    assert span._relay.half_bytes == (2 * parts - 1) * row  # it grew once
     assert first() is not None and first() in span._retired  # still referenced
     span.drained()
     assert first() is None and span._retired == []  # released once drained
@@ -256,15 +256,16 @@ def test_scratch_sized_for_the_largest_page_never_grows() -> None:
     from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import SpanRestore
 
     parts, pages, row = 4, 3, 64
-    assert SpanRestore.scratch_for([(2, 8), (parts, 64 << 20)]) == 2 * 4 * (64 << 20)
+    largest = 2 * 4 * (64 << 20)  # two pages' parts, in each half
+    assert SpanRestore.scratch_for([(2, 8), (parts, 64 << 20)]) == 2 * largest
     assert SpanRestore.scratch_for([(parts, row)]) == SpanRestore.SCRATCH_BYTES
     store = torch.randint(0, 256, (40 * pages, row), dtype=torch.uint8)
     dsts = [torch.zeros(8, row, dtype=torch.uint8) for _ in range(parts)]
     # The rule at this row size (the 32 MiB floor would hide a wrong rule).
-    span = SpanRestore(torch.device("cpu"), scratch_bytes=2 * parts * row)
-    scratch = span._scratch
+    span = SpanRestore(torch.device("cpu"), scratch_bytes=2 * 2 * parts * row)
+    scratch = span._relay.scratch
     span.copy_pool(dsts, torch.tensor([5, 1, 6]), store, _spread_parts(parts, pages))
-    assert span._scratch is scratch and span._retired == []
+    assert span._relay.scratch is scratch and span._retired == []
 
 
 def test_a_layer_completes_only_once_every_span_of_it_landed(monkeypatch) -> None:

@@ -25,6 +25,11 @@ from sglang.srt.mem_cache.storage.kvcr.datapath.row_team import (
     cuts,
     scatter_piece,
 )
+from sglang.srt.mem_cache.storage.kvcr.datapath.scratch_relay import (
+    ScratchRelay,
+    current_stream,
+    join,
+)
 from sglang.srt.mem_cache.storage.kvcr.datapath.span_rows import SpanRows
 from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
     device_index,
@@ -161,12 +166,15 @@ class SpanRestore:
     adjacent slots, so a run's span is dense (``stride`` = parts). A run whose span
     would be more than twice its bytes goes page by page; pages whose own parts lie
     far apart (churned DRAM) are gathered on the host into a locked scratch buffer
-    (torch's intra-op threads) and moved with one copy per chunk. Everything is
-    queued on the caller's current stream and reuses the device scratch in stream
-    order; the host scratch is rewritten only after the copy reading it has
-    finished. The caller drains the stream before the claims or the destination
-    slots are given back, and then calls ``drained``. With a CPU device the same
-    steps run synchronously.
+    (torch's intra-op threads) and moved with one copy per chunk. The copies are
+    queued on the caller's current stream into alternate halves of the device
+    scratch, and each half's scatter on a second stream (``scratch_relay``), so
+    one chunk's copy runs beside the previous chunk's scatter; the caller's
+    stream is made to wait for the scatters before ``copy_pool`` returns. The
+    host scratch is rewritten only after the copy reading it has finished. The
+    caller drains its stream before the claims or the destination slots are
+    given back, and then calls ``drained``. With a CPU device the same steps
+    run synchronously.
 
     The device scratch is sized at startup for the largest page (``scratch_for``);
     should a page part still outgrow it, the replacement is made on the caller's
@@ -179,7 +187,11 @@ class SpanRestore:
     # Each chunk costs one scatter launch per part from Python (56 for
     # Qwen3-0.6B): with 32 MiB chunks those launches, not the DMA, bounded an
     # H200's restore at 0.50-0.60x a pinned copy; at 128 MiB the copy leads.
+    # Since the second H200 run (0.64-0.77x) the scratch is two halves, one
+    # copied into while the other is scattered on a second stream
+    # (``scratch_relay``); ``TWO_STREAMS`` off: both on the loader's stream.
     SCRATCH_BYTES = 128 << 20
+    TWO_STREAMS = True
 
     def __init__(
         self,
@@ -191,7 +203,7 @@ class SpanRestore:
         self.scratch_bytes = scratch_bytes
         self._memory = memory or HostMemory(pin=False)
         # Allocated up front so a GPU host fails at startup, not mid-restore.
-        self._scratch = torch.empty(scratch_bytes, dtype=torch.uint8, device=device)
+        self._relay = ScratchRelay(device, scratch_bytes, self.TWO_STREAMS)
         self._retired: list[torch.Tensor] = []  # outgrown scratch, until drained
         self._host: torch.Tensor | None = None
         self._host_busy: Any = None  # event after the last copy out of _host
@@ -201,16 +213,19 @@ class SpanRestore:
     @staticmethod
     def scratch_for(pools: Sequence[tuple[int, int]]) -> int:
         """Device scratch bytes that no copy outgrows, for pools given as (parts,
-        part bytes of one page): a run's span is at most two pages' parts."""
+        part bytes of one page): each half holds a run's span, at most two
+        pages' parts."""
         largest = max((2 * parts * nbytes for parts, nbytes in pools), default=0)
-        return max(SpanRestore.SCRATCH_BYTES, largest)
+        return max(SpanRestore.SCRATCH_BYTES, 2 * largest)
 
-    def _device_buffer(self, nbytes: int) -> torch.Tensor:
-        if self._scratch.numel() < nbytes:
-            # Queued copies may still read the old block: keep it until drained.
-            self._retired.append(self._scratch)
-            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return self._scratch[:nbytes]
+    def _device_buffer(self, nbytes: int, writer: Any) -> tuple[int, torch.Tensor]:
+        """The next scratch half for ``nbytes``, ``writer`` ordered after its last
+        reader. A replacement is made on the loader's stream (the writer), and
+        the old block is kept until drained: queued copies may still read it."""
+        old = self._relay.grow(nbytes)
+        if old is not None:
+            self._retired.append(old)
+        return self._relay.take(nbytes, writer)
 
     def drained(self) -> None:
         """The caller's stream has drained: outgrown scratch blocks may go."""
@@ -245,7 +260,33 @@ class SpanRestore:
         element type; ``dest`` is a device index tensor."""
         nparts = len(dest_parts)
         row_bytes = store.shape[1] * store.element_size()
-        cap_rows = max(nparts, self.scratch_bytes // row_bytes)
+        cap_rows = max(nparts, self._relay.half_bytes // row_bytes)
+        main = current_stream(self.device)
+        side = self._relay.side()
+        if side is not None:
+            side.wait_stream(main)  # the fences and the destination index
+        try:
+            scattered = self._copy_spans(dest_parts, dest, store, src_slots, cap_rows)
+            if scattered:
+                self._copy_gathered(
+                    dest_parts, dest, store, src_slots, scattered, cap_rows, side
+                )
+        finally:  # draining the loader's stream drains the scatters too
+            join(main, side)
+
+    def _copy_spans(
+        self,
+        dest_parts: Sequence[torch.Tensor],
+        dest: torch.Tensor,
+        store: torch.Tensor,
+        src_slots: Sequence[tuple[int, ...]],
+        cap_rows: int,
+    ) -> list[int]:
+        """Every dense run as span copies; the pages left for the host gather."""
+        nparts = len(dest_parts)
+        row_bytes = store.shape[1] * store.element_size()
+        main = current_stream(self.device)
+        side = self._relay.side()
         scattered: list[int] = []
         for seg in _dense_segments(plan_segments(src_slots), nparts):
             n = seg.stop - seg.start
@@ -259,20 +300,21 @@ class SpanRestore:
                 b = min(n, a + per_chunk)
                 lo = low + a * seg.stride
                 rows = page_span + (b - a - 1) * seg.stride
-                staged = _rows(self._device_buffer(rows * row_bytes), store, rows)
+                half, buf = self._device_buffer(rows * row_bytes, main)
+                staged = _rows(buf, store, rows)
                 staged.copy_(store[lo : lo + rows], non_blocking=True)
                 self.span_copies += 1
                 index = dest[seg.start + a : seg.start + b]
-                for part, target in enumerate(dest_parts):
-                    view = staged.as_strided(
-                        (b - a, staged.shape[1]),
-                        (seg.stride * staged.stride(0), 1),
-                        staged.storage_offset()
-                        + (seg.first[part] - low) * staged.stride(0),
-                    )
-                    target.index_copy_(0, index, view)
-        if scattered:
-            self._copy_gathered(dest_parts, dest, store, src_slots, scattered, cap_rows)
+                with self._relay.reading(half, main, side):
+                    for part, target in enumerate(dest_parts):
+                        view = staged.as_strided(
+                            (b - a, staged.shape[1]),
+                            (seg.stride * staged.stride(0), 1),
+                            staged.storage_offset()
+                            + (seg.first[part] - low) * staged.stride(0),
+                        )
+                        target.index_copy_(0, index, view)
+        return scattered
 
     def _copy_gathered(
         self,
@@ -282,11 +324,12 @@ class SpanRestore:
         src_slots: Sequence[tuple[int, ...]],
         pages: list[int],
         cap_rows: int,
+        side: Any,
     ) -> None:
         nparts = len(dest_parts)
         row_bytes = store.shape[1] * store.element_size()
         per_chunk = max(1, cap_rows // nparts)
-        cuda = self.device.type == "cuda"
+        main = current_stream(self.device)
         for a in range(0, len(pages), per_chunk):
             chunk = pages[a : a + per_chunk]
             rows = len(chunk) * nparts
@@ -296,15 +339,17 @@ class SpanRestore:
                 dtype=torch.long,
             )
             torch.index_select(store, 0, slots, out=host)
-            staged = _rows(self._device_buffer(rows * row_bytes), store, rows)
+            half, buf = self._device_buffer(rows * row_bytes, main)
+            staged = _rows(buf, store, rows)
             staged.copy_(host, non_blocking=True)
-            if cuda:
+            if main is not None:
                 self._host_busy = torch.cuda.Event()
-                self._host_busy.record()
-            index = dest.index_select(0, device_index(chunk, dest.device))
-            by_page = staged.view(len(chunk), nparts, staged.shape[1])
-            for part, target in enumerate(dest_parts):
-                target.index_copy_(0, index, by_page[:, part])
+                self._host_busy.record(main)
+            with self._relay.reading(half, main, side):
+                index = dest.index_select(0, device_index(chunk, dest.device))
+                by_page = staged.view(len(chunk), nparts, staged.shape[1])
+                for part, target in enumerate(dest_parts):
+                    target.index_copy_(0, index, by_page[:, part])
             self.gathered_pages += len(chunk)
 
 
