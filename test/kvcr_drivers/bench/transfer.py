@@ -197,11 +197,11 @@ def bench_transfer(
                     device=args.device,
                 )
             )
-        if on_cuda and getattr(args, "one_stream_too", False):
-            _one_stream_case(args, geo, n, rng, details, metrics)
+        if on_cuda and getattr(args, "previous_path_too", False):
+            _previous_path_case(args, geo, n, rng, details, metrics)
 
 
-def _one_stream_case(
+def _previous_path_case(
     args: argparse.Namespace,
     geo: Geometry,
     n: int,
@@ -209,34 +209,41 @@ def _one_stream_case(
     details: dict[str, Any],
     metrics: list[dict[str, Any]],
 ) -> None:
-    """The same case with both device scratches on one stream (the relay off),
-    informational: what the second stream buys, side by side in one run."""
+    """The same case on the previous device path (one stream, one torch call per
+    part: the relay and the page-row kernel off), informational: what they buy,
+    side by side in one run."""
+    from sglang.srt.mem_cache.storage.kvcr.datapath import page_rows_kernel
     from sglang.srt.mem_cache.storage.kvcr.datapath.device_gather import (
         DeviceGather,
     )
     from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import SpanRestore
 
     saved = SpanRestore.TWO_STREAMS, DeviceGather.TWO_STREAMS
+    kernel_off = page_rows_kernel._state["off"]
     SpanRestore.TWO_STREAMS = DeviceGather.TWO_STREAMS = False
+    page_rows_kernel._state["off"] = True
     try:
         times = transfer_case(args, geo, n, rng)
     finally:
         SpanRestore.TWO_STREAMS, DeviceGather.TWO_STREAMS = saved
+        page_rows_kernel._state["off"] = kernel_off
     timelines = times.pop("offload_timeline")
     splits = times.pop("restore_split")
     nbytes = n * geo.page_bytes
     rates = {k: [round(gbps(nbytes, x), 3) for x in v] for k, v in times.items()}
-    details[f"{n}p_one_stream"] = {
+    details[f"{n}p_previous_path"] = {
         "gbps": rates,
         "offload_timeline": timelines,
         "restore_split": splits,
     }
     if splits:
-        print(f"[bench] one stream: restore {n}p, last rep's split (ms): {splits[-1]}")
+        print(f"[bench] previous path: restore {n}p, split (ms): {splits[-1]}")
+    if timelines:
+        print(f"[bench] previous path: offload {n}p, copy jobs (ms): {timelines[-1]}")
     med = {k: statistics.median(v) for k, v in rates.items()}
     for name, value, base in (
-        (f"one_stream_restore_vs_pinned_h2d_{n}p", med["restore"], med["h2d"]),
-        (f"one_stream_offload_vs_pinned_d2h_{n}p", med["offload"], med["d2h"]),
+        (f"previous_path_restore_vs_pinned_h2d_{n}p", med["restore"], med["h2d"]),
+        (f"previous_path_offload_vs_pinned_d2h_{n}p", med["offload"], med["d2h"]),
     ):
         metrics.append(
             metric(

@@ -148,10 +148,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=300, help="latency samples")
     p.add_argument("--copy-reps", type=int, default=9, help="bandwidth repetitions")
     p.add_argument(
-        "--one-stream-too",
+        "--previous-path-too",
         action="store_true",
-        help="cuda: also run each transfer size with the device scratches on one "
-        "stream (informational one_stream_* figures, side by side)",
+        help="cuda: also run each transfer size on the previous device path (one "
+        "stream, a torch call per part: informational previous_path_* figures)",
     )
     p.add_argument("--ttft-prompts", type=int, default=40)
     p.add_argument("--ttft-prompt-len", type=int, default=1024)

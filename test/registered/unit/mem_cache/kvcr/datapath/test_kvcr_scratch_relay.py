@@ -182,27 +182,33 @@ def _raced(control: bool) -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        if not (control and re.search(r"data race|CSAN", str(exc))):
+        if not (control and re.search(r"data race|CSAN|Sanitizer", repr(exc))):
             raise
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("control", [False, True])
 @pytest.mark.parametrize("slow", ["writer", "reader"])
-def test_restore_through_two_streams_is_byte_exact(monkeypatch, slow, control):
+def test_restore_through_two_streams_is_byte_exact(monkeypatch, slow, control, kernel):
     """SpanRestore with halves of two pages: 16 chunks alternate; every page
-    lands; with the relay's wait removed (``control``) some page is wrong."""
+    lands, scattered in one launch per chunk (``kernel``) or part by part; with
+    the relay's wait removed (``control``) some page is wrong."""
+    from sglang.srt.mem_cache.storage.kvcr.datapath import page_rows_kernel
+
     parts, pages, row = 6, 32, 4096
     memory = HostMemory(pin=True)
-    store = memory.alloc_like((parts * pages, row))
-    store.copy_(torch.randint(0, 256, (parts * pages, row), dtype=torch.uint8))
+    raw = memory.alloc_like((parts * pages, row))
+    raw.copy_(torch.randint(0, 256, (parts * pages, row), dtype=torch.uint8))
+    store = raw.view(torch.int64)  # words, as the restorer hands them over
     order = random.Random(slow).sample(range(pages), pages)
     slots = [tuple(range(parts * o, parts * o + parts)) for o in order]
     dest = random.Random(f"{slow}d").sample(range(2 * pages), pages)
     dsts = [
-        torch.zeros(2 * pages, row, dtype=torch.uint8, device="cuda")
+        torch.zeros(2 * pages, row // 8, dtype=torch.int64, device="cuda")
         for _ in range(parts)
     ]
+    monkeypatch.setitem(page_rows_kernel._state, "off", not kernel)
     _slow(monkeypatch, slow)
     if control:
         _remove_wait(monkeypatch, slow)
@@ -216,6 +222,7 @@ def test_restore_through_two_streams_is_byte_exact(monkeypatch, slow, control):
             stream.synchronize()
             span.drained()
             assert span._relay.chunks >= pages // 2
+            assert (span.kernel_chunks > 0) is kernel
             wrong = sum(
                 not torch.equal(dsts[p][dest[i]].cpu(), store[slots[i][p]])
                 for i in range(pages)
@@ -225,15 +232,22 @@ def test_restore_through_two_streams_is_byte_exact(monkeypatch, slow, control):
     finally:
         torch.cuda.synchronize()
         span.close()
-        memory.release(store)
+        memory.release(raw)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("control", [False, True])
 @pytest.mark.parametrize("slow", ["writer", "reader"])
-def test_offload_gather_through_two_streams_is_byte_exact(monkeypatch, slow, control):
-    """DeviceGather with halves of two slots: every slot gets its page's spans;
-    with the relay's wait removed (``control``) some slot is wrong."""
+def test_offload_gather_through_two_streams_is_byte_exact(
+    monkeypatch, slow, control, kernel
+):
+    """DeviceGather with halves of two slots: every slot gets its page's spans,
+    gathered in one launch per chunk (``kernel``) or span by span; with the
+    relay's wait removed (``control``) some slot is wrong."""
+    from sglang.srt.mem_cache.storage.kvcr.datapath import page_rows_kernel
+
+    monkeypatch.setitem(page_rows_kernel._state, "off", not kernel)
     nparts, pages, row = 6, 32, 4096
     spans = [
         torch.randint(0, 256, (pages, row), dtype=torch.uint8, device="cuda")
@@ -263,6 +277,7 @@ def test_offload_gather_through_two_streams_is_byte_exact(monkeypatch, slow, con
             want = torch.cat([s.cpu() for s in spans], dim=1)
             wrong = sum(not torch.equal(view[i], want[src[i]]) for i in range(pages))
             assert (wrong > 0) is control
+            assert bool(gather._kernels) is kernel  # the kernel path was taken
     finally:
         torch.cuda.synchronize()
         memory.release(store)

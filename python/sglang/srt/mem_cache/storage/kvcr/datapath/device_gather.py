@@ -23,6 +23,12 @@ import torch
 
 from sglang.srt.mem_cache.storage.kvcr.datapath.copy_jobs import PoolCopy, plan_runs
 from sglang.srt.mem_cache.storage.kvcr.datapath.device_pages import word_rows
+from sglang.srt.mem_cache.storage.kvcr.datapath.page_rows_kernel import (
+    DEVICE_ERRORS,
+    RowKernel,
+    disable,
+    kernel_for,
+)
 from sglang.srt.mem_cache.storage.kvcr.datapath.scratch_relay import (
     ScratchRelay,
     current_stream,
@@ -32,14 +38,6 @@ from sglang.srt.mem_cache.storage.kvcr.datapath.scratch_relay import (
 from sglang.srt.mem_cache.storage.kvcr.device.device_streams import device_index
 
 logger = logging.getLogger(__name__)
-
-# Errors of the device itself (RuntimeError subclasses): never a sign that torch
-# refuses the in-place gather.
-_DEVICE_ERRORS: tuple[type[BaseException], ...] = tuple(
-    t
-    for t in (getattr(torch, "AcceleratorError", None), torch.OutOfMemoryError)
-    if isinstance(t, type)
-)
 
 
 class DeviceGather:
@@ -54,6 +52,7 @@ class DeviceGather:
         # Each span's columns written directly; False (a torch refusing a
         # strided ``out``): through a temporary per span.
         self.in_place = True
+        self._kernels: dict[Any, RowKernel] = {}  # per pool's parts
 
     def copy(self, group: PoolCopy, max_pages: int | None) -> None:
         """Device pages -> page-locked slots: per chunk of consecutive slots, each
@@ -126,16 +125,46 @@ class DeviceGather:
         half, buf = self._relay.take((hi - lo) * slot_bytes, side)
         block = buf.view(hi - lo, slot_bytes)
         picked, *parts = word_rows(block, *group.parts)
-        pages = index[lo:hi]
-        offset = 0
         with on(side):
-            for rows in parts:
-                width = rows.shape[1]
-                self._gather(rows, pages, picked[:, offset : offset + width])
-                offset += width
+            if not self._gather_at_once(parts, picked, index, lo, hi):
+                pages = index[lo:hi]
+                offset = 0
+                for rows in parts:
+                    width = rows.shape[1]
+                    self._gather(rows, pages, picked[:, offset : offset + width])
+                    offset += width
         first = group.slots[lo]
         with self._relay.reading(half, side, main):
             group.slots_view[first : first + hi - lo].copy_(block, non_blocking=True)
+
+    def _gather_at_once(
+        self,
+        parts: list[torch.Tensor],
+        picked: torch.Tensor,
+        index: torch.Tensor,
+        lo: int,
+        hi: int,
+    ) -> bool:
+        """Every span of pages ``index[lo:hi]`` into ``picked`` in one kernel
+        launch (``page_rows_kernel``); False when it cannot (per-span gathers)."""
+        kernel = kernel_for(self._kernels, parts)
+        if kernel is None or len(parts) * kernel.width != picked.shape[1]:
+            return False
+        try:
+            kernel.launch(
+                index,
+                (lo, hi),
+                picked,
+                kernel.offsets(range(len(parts))),
+                picked.shape[1],
+                to_pool=False,
+            )
+        except DEVICE_ERRORS:
+            raise  # the device failed: the job fails
+        except Exception:
+            disable("was refused")
+            return False
+        return True
 
     def _gather(
         self, rows: torch.Tensor, pages: torch.Tensor, target: torch.Tensor
@@ -145,7 +174,7 @@ class DeviceGather:
             try:
                 torch.index_select(rows, 0, pages, out=target)
                 return
-            except _DEVICE_ERRORS:
+            except DEVICE_ERRORS:
                 raise  # the device failed: the job fails, the gather stays
             except RuntimeError:  # a torch that refuses a strided ``out``
                 logger.warning(

@@ -20,6 +20,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from sglang.srt.mem_cache.storage.kvcr.datapath.page_rows_kernel import (
+    DEVICE_ERRORS,
+    RowKernel,
+    disable,
+    kernel_for,
+    warm,
+)
 from sglang.srt.mem_cache.storage.kvcr.datapath.row_team import (
     Piece,
     cuts,
@@ -204,11 +211,14 @@ class SpanRestore:
         self._memory = memory or HostMemory(pin=False)
         # Allocated up front so a GPU host fails at startup, not mid-restore.
         self._relay = ScratchRelay(device, scratch_bytes, self.TWO_STREAMS)
+        warm(device)  # the one-launch kernel compiled now, never while serving
         self._retired: list[torch.Tensor] = []  # outgrown scratch, until drained
         self._host: torch.Tensor | None = None
         self._host_busy: Any = None  # event after the last copy out of _host
         self.gathered_pages = 0  # pages that went through the host gather
         self.span_copies = 0  # host-to-device span copies
+        self.kernel_chunks = 0  # chunks scattered in one launch
+        self._kernels: dict[Any, RowKernel] = {}  # per pool's parts
 
     @staticmethod
     def scratch_for(pools: Sequence[tuple[int, int]]) -> int:
@@ -226,6 +236,50 @@ class SpanRestore:
         if old is not None:
             self._retired.append(old)
         return self._relay.take(nbytes, writer)
+
+    def _kernel(
+        self,
+        dest_parts: Sequence[torch.Tensor],
+        dest: torch.Tensor,
+        store: torch.Tensor,
+    ) -> RowKernel | None:
+        """The one-launch scatter for these parts (``page_rows_kernel``), or None:
+        one ``index_copy_`` per part."""
+        if dest.dtype != torch.int64 or store.dtype != torch.int64:
+            return None
+        kernel = kernel_for(self._kernels, dest_parts)
+        if kernel is None or kernel.width != store.shape[1]:
+            return None
+        return kernel
+
+    def _scatter_at_once(
+        self,
+        kernel: RowKernel,
+        index: torch.Tensor,
+        span: tuple[int, int],
+        staged: torch.Tensor,
+        rows: Sequence[int],
+        stride: int,
+    ) -> bool:
+        """Pages ``index[span]``, part ``p`` of page ``i`` at staged row
+        ``rows[p] + i * stride``, into the pool in one launch; False when the
+        kernel was refused (the caller scatters part by part)."""
+        try:
+            kernel.launch(
+                index.contiguous(),
+                span,
+                staged,
+                kernel.offsets(rows),
+                stride * kernel.width,
+                to_pool=True,
+            )
+        except DEVICE_ERRORS:
+            raise
+        except Exception:
+            disable("was refused")
+            return False
+        self.kernel_chunks += 1
+        return True
 
     def drained(self) -> None:
         """The caller's stream has drained: outgrown scratch blocks may go."""
@@ -287,6 +341,7 @@ class SpanRestore:
         row_bytes = store.shape[1] * store.element_size()
         main = current_stream(self.device)
         side = self._relay.side()
+        kernel = self._kernel(dest_parts, dest, store)
         scattered: list[int] = []
         for seg in _dense_segments(plan_segments(src_slots), nparts):
             n = seg.stop - seg.start
@@ -304,8 +359,17 @@ class SpanRestore:
                 staged = _rows(buf, store, rows)
                 staged.copy_(store[lo : lo + rows], non_blocking=True)
                 self.span_copies += 1
-                index = dest[seg.start + a : seg.start + b]
                 with self._relay.reading(half, main, side):
+                    if kernel is not None and self._scatter_at_once(
+                        kernel,
+                        dest,
+                        (seg.start + a, seg.start + b),
+                        staged,
+                        [f - low for f in seg.first],
+                        seg.stride,
+                    ):
+                        continue
+                    index = dest[seg.start + a : seg.start + b]
                     for part, target in enumerate(dest_parts):
                         view = staged.as_strided(
                             (b - a, staged.shape[1]),
@@ -330,6 +394,7 @@ class SpanRestore:
         row_bytes = store.shape[1] * store.element_size()
         per_chunk = max(1, cap_rows // nparts)
         main = current_stream(self.device)
+        kernel = self._kernel(dest_parts, dest, store)
         for a in range(0, len(pages), per_chunk):
             chunk = pages[a : a + per_chunk]
             rows = len(chunk) * nparts
@@ -347,6 +412,11 @@ class SpanRestore:
                 self._host_busy.record(main)
             with self._relay.reading(half, main, side):
                 index = dest.index_select(0, device_index(chunk, dest.device))
+                if kernel is not None and self._scatter_at_once(
+                    kernel, index, (0, len(chunk)), staged, range(nparts), nparts
+                ):
+                    self.gathered_pages += len(chunk)
+                    continue
                 by_page = staged.view(len(chunk), nparts, staged.shape[1])
                 for part, target in enumerate(dest_parts):
                     target.index_copy_(0, index, by_page[:, part])
