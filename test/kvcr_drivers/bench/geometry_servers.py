@@ -10,6 +10,7 @@ then tell a right KV restore from a wrong one). Its device pool holds four promp
 ``kvcr_servers.family_round_trip`` reads (``family``, ``model_config``). Its ports
 (HTTP, KVCR control) are ones no other server of this process was given.
 
+``prepare(kinds, scale)`` builds the model directories first, in one thread.
 ``start(launch, timeout_s)``: a server from ``launch()`` once ready; launched again
 (new ports) once when its HTTP port was taken between being picked and bound, as
 happens on a host shared with other runs; stopped when it does not come up.
@@ -62,8 +63,23 @@ def wait_ready(server: Any, timeout_s: float) -> float:
         except harness.ServerStartError:
             if BIND_CLASH in server.log_text():
                 raise PortClash(f"port {server.port} was taken") from None
-            if server.process.poll() is not None or time.monotonic() >= deadline:
+            if server.process.poll() is not None:
                 raise
+            if time.monotonic() >= deadline:  # named by the whole wait, not a step
+                raise harness.ServerStartError(
+                    f"server not ready within {timeout_s:.0f}s\n"
+                    f"--- log tail ---\n{server.log_tail()}"
+                ) from None
+
+
+def prepare(kinds: Sequence[str], scale: str) -> None:
+    """Build every ``kind``'s model directory now, in this thread, before servers
+    are launched from threads at once: transformers' lazy imports are not safe
+    from several threads (the first H200 run's sliding-window build failed with
+    "cannot import name 'PreTrainedTokenizerFast'" while two others built)."""
+    root = harness.cache_dir() / "gpu_check_models"
+    for kind in kinds:
+        geometry_models.ensure_geometry_model(kind, scale, root)
 
 
 def start(launch: Callable[[], Any], timeout_s: float) -> Any:

@@ -21,6 +21,7 @@ import requests
 from cpu_harness import server as harness
 from kvcr_drivers import cli
 from kvcr_drivers.bench import decode_itl
+from sglang.srt.mem_cache.storage.kvcr.config.startup_checks import TREE_CORE_ENV
 
 STATS_RE = re.compile(r"KVCR_STATS .*")
 STATS_FIELD_RE = re.compile(r"(\w+)=(-?[0-9.]+)\b")
@@ -245,4 +246,10 @@ def base_server_args(args: argparse.Namespace, max_total: int) -> list[str]:
 
 
 def server_env(device: str) -> dict[str, str] | None:
-    return {"SGLANG_USE_CPU_ENGINE": "false"} if device == "cuda" else None
+    """On CUDA every arm runs SGLang's Python radix tree core, the one the linker
+    selects: on the first H200 run the no-linker arm's Rust tree core stopped the
+    scheduler at its first checkpoint insert ("insert value must be an int64
+    tensor, got Uint8"), so the arms compare the linker alone."""
+    if device != "cuda":
+        return None
+    return {"SGLANG_USE_CPU_ENGINE": "false", TREE_CORE_ENV: "python"}

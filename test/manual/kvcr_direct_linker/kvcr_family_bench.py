@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = cli.work_dir(args, "kvcr_family_bench")
     started = time.monotonic()
+    geometry_servers.prepare(args.families, args.scale)
     with ThreadPoolExecutor(max_workers=len(args.families)) as pool:
         results = list(pool.map(lambda f: round_trip(f, args, work), args.families))
     for r in results:

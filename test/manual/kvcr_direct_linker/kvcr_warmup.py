@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = cli.work_dir(args, "kvcr_warmup")
     started = time.monotonic()
+    geometry_servers.prepare(args.models, args.scale)
     with ThreadPoolExecutor(max_workers=len(args.models)) as pool:
         results = list(pool.map(lambda kind: warm(kind, args, work), args.models))
     wall = round(time.monotonic() - started, 2)

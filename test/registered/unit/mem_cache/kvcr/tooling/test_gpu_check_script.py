@@ -177,12 +177,12 @@ def test_report_dir_follows_out_then_flag(tmp_path: Path) -> None:
         ("serving", ["warmup", "bench", "bench-families"]),
     ],
 )
-def test_each_gpu_part_fits_one_eight_minute_call(
+def test_each_gpu_part_fits_one_device_call(
     tmp_path: Path, part: str, stages: list[str]
 ) -> None:
     """The install and each part's stages keep their own timeouts, and together
-    with the stop grace a stage may overrun by they fit the 480 s budget of one
-    device call (so no stage is cut short by design); the two parts cover every
+    with the stop grace a stage may overrun by they fit the budget of one
+    device call (560 s, under its 600 s limit) (so no stage is cut short by design); the two parts cover every
     stage. All stages at once do not fit (the first H200 run timed them): the
     plan says so."""
     proc = run("--list-stages", "--wheelhouse", str(tmp_path), "--part", part)
@@ -195,9 +195,11 @@ def test_each_gpu_part_fits_one_eight_minute_call(
     total = sum(seconds(ln) for ln in lines)
     assert all(seconds(ln) > 0 for ln in lines), proc.stdout
     grace = int(re.search(r"^STOP_GRACE_S=(\d+)", SCRIPT.read_text(), re.M)[1])
-    assert grace > 0 and total + grace <= 480, (total, grace)
+    budget = int(re.search(r"^GPU_DEADLINE_S=(\d+)", SCRIPT.read_text(), re.M)[1])
+    assert 0 < budget <= 600  # one device call is at most 10 minutes
+    assert grace > 0 and total + grace <= budget, (total, grace, budget)
     assert f"total timeout {total}s" in proc.stdout, proc.stdout
-    assert "budget 480s" in proc.stdout and "warning" not in proc.stdout
+    assert f"budget {budget}s" in proc.stdout and "warning" not in proc.stdout
     assert info["caches"] == str(REPO / ".cache" / "gpu_check_home")
     everything = run("--list-stages", "--wheelhouse", str(tmp_path))
     assert [ln.split()[1] for ln in stage_lines(everything.stdout)] == STAGES
@@ -359,7 +361,7 @@ def test_stage_timeout_is_enforced(tmp_path: Path, fake_python: Path) -> None:
 
 
 def test_a_stage_never_runs_past_the_budget(tmp_path: Path, fake_python: Path) -> None:
-    """With a budget (the GPU run's 480 s, here 36 s), a stage's timeout is cut to
+    """With a budget (the GPU run's 560 s, here 36 s), a stage's timeout is cut to
     what is left of it less the stop grace (25 s), and a stage with under 10 s
     left is not started: it fails at once, so the call ends inside its limit."""
     proc = fake_dry_run(
