@@ -87,6 +87,7 @@ class Bench(ServingRun):
         self.results[name] = {
             "status": "ok",
             "server_args": self.config_args(name),
+            "server_env": server_env(self.args.device),
             "log": str(log_path),
             "samples": {w: [] for w in self.args.workloads},
         }

@@ -126,7 +126,7 @@ stage_timeout() { # NAME
     gpu-tests) gpu=130 dry=180 emu=240 ;;
     gpu-tests-sanitizer) gpu=130 dry=180 emu=240 ;;
     microbench) gpu=110 dry=540 emu=540 ;;
-    bench) gpu=200 dry=420 emu=420 ;;
+    bench) gpu=190 dry=420 emu=420 ;;
     bench-families) gpu=120 dry=600 emu=600 ;;
     *) echo 0; return ;;
   esac

@@ -124,9 +124,13 @@ def test_without_two_streams_both_roles_run_on_the_callers_stream() -> None:
     relay = ScratchRelay(torch.device("cpu"), 64, two_streams=True)
     assert relay.side() is None  # CPU: never a second stream
     halves = [relay.take(8, None)[0] for _ in range(4)]
-    assert halves == [0, 1, 0, 1] and relay.half_bytes == 32
-    assert relay.grow(16) is None and relay.grow(40) is not None
-    assert relay.half_bytes == 40
+    assert halves == [0, 1, 0, 1]
+    # Halves start 256-byte aligned (a kernel is compiled for aligned pointers).
+    assert relay.half_bytes == scratch_relay.ALIGN
+    assert relay.grow(scratch_relay.ALIGN) is None
+    assert relay.grow(scratch_relay.ALIGN + 1) is not None
+    assert relay.half_bytes == 2 * scratch_relay.ALIGN
+    assert relay.take(8, None)[1].data_ptr() % scratch_relay.ALIGN == 0
 
 
 # ---- real streams (CUDA) ---------------------------------------------------------
@@ -278,6 +282,122 @@ def test_offload_gather_through_two_streams_is_byte_exact(
             wrong = sum(not torch.equal(view[i], want[src[i]]) for i in range(pages))
             assert (wrong > 0) is control
             assert bool(gather._kernels) is kernel  # the kernel path was taken
+    finally:
+        torch.cuda.synchronize()
+        memory.release(store)
+
+
+def _fail_at_read(monkeypatch, n: int) -> None:
+    """The ``n``-th read of a half raises once its slow work is queued (the
+    copy fails half-way, with work still queued on the second stream)."""
+    real_reading = ScratchRelay.reading
+    seen = [0]
+
+    @contextlib.contextmanager
+    def reading(self, half, writer, reader):
+        with real_reading(self, half, writer, reader):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            seen[0] += 1
+            if seen[0] == n:
+                raise RuntimeError("copy failed half-way (injected)")
+            yield
+
+    monkeypatch.setattr(ScratchRelay, "reading", reading)
+
+
+def _fail_at_take(monkeypatch, n: int) -> None:
+    """The ``n``-th fill of a half raises once a slow step is queued on its
+    writer (the offload's second stream): work the copier's stream never
+    waited for is still queued there."""
+    real_take = ScratchRelay.take
+    seen = [0]
+
+    def take(self, nbytes, writer):
+        got = real_take(self, nbytes, writer)
+        with scratch_relay.on(writer):
+            torch.cuda._sleep(SLEEP_CYCLES)
+        seen[0] += 1
+        if seen[0] == n:
+            raise RuntimeError("copy failed half-way (injected)")
+        return got
+
+    monkeypatch.setattr(ScratchRelay, "take", take)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("joined", [True, False])
+def test_a_restore_failing_half_way_leaves_nothing_running_once_drained(
+    monkeypatch, joined
+):
+    """The loader drains only its own stream before the claims and destination
+    pages are given back: after a copy that raised half-way, that drain must
+    also cover the scatters queued on the second stream. Without the final
+    join (``joined`` False, the negative control) the second stream is still
+    busy when the loader's stream has drained."""
+    from sglang.srt.mem_cache.storage.kvcr.datapath import restore_copy
+
+    parts, pages, row = 4, 16, 512
+    memory = HostMemory(pin=True)
+    raw = memory.alloc_like((parts * pages, row))
+    store = raw.view(torch.int64)
+    slots = [tuple(range(parts * o, parts * o + parts)) for o in range(pages)]
+    dsts = [
+        torch.zeros(pages, row // 8, dtype=torch.int64, device="cuda")
+        for _ in range(parts)
+    ]
+    _fail_at_read(monkeypatch, 3)
+    if not joined:
+        monkeypatch.setattr(restore_copy, "join", lambda main, side: None)
+    span = SpanRestore(torch.device("cuda"), memory, scratch_bytes=2 * 2 * parts * row)
+    stream = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    try:
+        with torch.cuda.stream(stream), pytest.raises(RuntimeError, match="half-way"):
+            span.copy_pool(dsts, torch.arange(pages, device="cuda"), store, slots)
+        stream.synchronize()  # what the loader's drain waits for
+        assert span._relay.side().query() is joined
+    finally:
+        torch.cuda.synchronize()
+        span.close()
+        memory.release(raw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("joined", [True, False])
+def test_an_offload_failing_half_way_leaves_nothing_running_once_drained(
+    monkeypatch, joined
+):
+    """The copier drains only its own stream before a failed job's slots are
+    freed: the gathers queued on the second stream must be covered too."""
+    from sglang.srt.mem_cache.storage.kvcr.datapath import device_gather
+
+    nparts, pages, row = 4, 16, 512
+    spans = [
+        torch.zeros(pages, row, dtype=torch.uint8, device="cuda") for _ in range(nparts)
+    ]
+    slot_bytes = nparts * row
+    memory = HostMemory(pin=True)
+    store = memory.alloc_like((pages * slot_bytes,))
+    view = store.view(pages, slot_bytes)
+    group = PoolCopy(
+        spans,
+        SlotViews((0, slot_bytes, pages), view),
+        list(range(pages)),
+        list(range(pages)),
+        store,
+    )
+    _fail_at_take(monkeypatch, 3)
+    if not joined:
+        monkeypatch.setattr(device_gather, "join", lambda main, side: None)
+    gather = DeviceGather()
+    gather.scratch_bytes = 2 * 2 * slot_bytes
+    stream = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    try:
+        with torch.cuda.stream(stream), pytest.raises(RuntimeError, match="half-way"):
+            gather.copy(group, None)
+        stream.synchronize()  # what the copier's drain waits for
+        assert gather._relay.side().query() is joined
     finally:
         torch.cuda.synchronize()
         memory.release(store)

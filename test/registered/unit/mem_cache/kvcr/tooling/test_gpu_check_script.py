@@ -197,7 +197,8 @@ def test_each_gpu_part_fits_one_device_call(
     grace = int(re.search(r"^STOP_GRACE_S=(\d+)", SCRIPT.read_text(), re.M)[1])
     budget = int(re.search(r"^GPU_DEADLINE_S=(\d+)", SCRIPT.read_text(), re.M)[1])
     assert 0 < budget <= 600  # one device call is at most 10 minutes
-    assert grace > 0 and total + grace <= budget, (total, grace, budget)
+    # 10 s of slack: the transfer and the start of python itself
+    assert grace > 0 and total + grace + 10 <= budget, (total, grace, budget)
     assert f"total timeout {total}s" in proc.stdout, proc.stdout
     assert f"budget {budget}s" in proc.stdout and "warning" not in proc.stdout
     assert info["caches"] == str(REPO / ".cache" / "gpu_check_home")

@@ -26,6 +26,7 @@ from sglang.srt.mem_cache.storage.kvcr.datapath.device_pages import word_rows
 from sglang.srt.mem_cache.storage.kvcr.datapath.page_rows_kernel import (
     DEVICE_ERRORS,
     RowKernel,
+    device_fault,
     disable,
     kernel_for,
 )
@@ -67,6 +68,10 @@ class DeviceGather:
             per_chunk = min(per_chunk, max_pages)
         main = current_stream(device)
         side = relay.side()
+        words = word_rows(*group.parts)
+        kernel = kernel_for(self._kernels, words) if words else None
+        if kernel is not None and len(words) * kernel.width * 8 != slot_bytes:
+            kernel = None
         try:
             with on(side):  # made and read where the gathers run
                 index = device_index(group.pages, device)
@@ -74,10 +79,11 @@ class DeviceGather:
             for a, b, stride in plan_runs(slots):
                 if stride != 1:
                     for i in range(a, b):
-                        self._chunk(group, index, i, i + 1, main, side)
+                        self._chunk(group, index, i, i + 1, main, side, kernel)
                     continue
                 for lo in range(a, b, per_chunk):
-                    self._chunk(group, index, lo, min(b, lo + per_chunk), main, side)
+                    hi = min(b, lo + per_chunk)
+                    self._chunk(group, index, lo, hi, main, side, kernel)
         finally:  # the caller's event, and a failed job's drain, cover the gathers
             join(main, side)
 
@@ -115,6 +121,7 @@ class DeviceGather:
         hi: int,
         main: Any,
         side: Any,
+        kernel: RowKernel | None,
     ) -> None:
         """Pairs ``[lo, hi)`` (consecutive slots) through a scratch half: one
         gather kernel per span on the second stream, written in place into the
@@ -126,7 +133,11 @@ class DeviceGather:
         block = buf.view(hi - lo, slot_bytes)
         picked, *parts = word_rows(block, *group.parts)
         with on(side):
-            if not self._gather_at_once(parts, picked, index, lo, hi):
+            if (
+                kernel is None
+                or picked.dtype != torch.int64
+                or not self._gather_at_once(kernel, picked, index, lo, hi)
+            ):
                 pages = index[lo:hi]
                 offset = 0
                 for rows in parts:
@@ -139,29 +150,27 @@ class DeviceGather:
 
     def _gather_at_once(
         self,
-        parts: list[torch.Tensor],
+        kernel: RowKernel,
         picked: torch.Tensor,
         index: torch.Tensor,
         lo: int,
         hi: int,
     ) -> bool:
-        """Every span of pages ``index[lo:hi]`` into ``picked`` in one kernel
-        launch (``page_rows_kernel``); False when it cannot (per-span gathers)."""
-        kernel = kernel_for(self._kernels, parts)
-        if kernel is None or len(parts) * kernel.width != picked.shape[1]:
-            return False
+        """Every span of pages ``index[lo:hi]`` into ``picked`` (int64 words) in
+        one kernel launch (``page_rows_kernel``); False when Triton refused it
+        (per-span gathers from now on)."""
         try:
             kernel.launch(
                 index,
                 (lo, hi),
                 picked,
-                kernel.offsets(range(len(parts))),
+                kernel.offsets(range(kernel.parts)),
                 picked.shape[1],
                 to_pool=False,
             )
-        except DEVICE_ERRORS:
-            raise  # the device failed: the job fails
-        except Exception:
+        except Exception as exc:
+            if device_fault(exc):
+                raise  # the device failed: the job fails
             disable("was refused")
             return False
         return True

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from sglang.srt.mem_cache.storage.kvcr.device.device_streams import device_index
+
 logger = logging.getLogger(__name__)
 
 try:  # a GPU host has Triton with torch; a CPU pool never gets here
@@ -71,51 +73,34 @@ if HAVE_TRITON:
 
 
 class RowKernel:
-    """One pool's parts for the one-launch copy: their base table on the device
-    and the per-part scratch offsets tables, cached."""
+    """One pool's parts for the one-launch copy: their base-address table and the
+    per-part scratch offset tables on the device, made on the stream that
+    launches (a caller launches one pool's kernel on one stream) through
+    page-locked memory, so building them never blocks the host."""
 
     def __init__(self, parts: Sequence[torch.Tensor]) -> None:
         self.width = parts[0].shape[1]
-        device = parts[0].device
-        self.device = device
-        self._bases = torch.tensor(
-            [p.data_ptr() for p in parts], dtype=torch.int64, device=device
-        )
-        self._keys = tuple(p.data_ptr() for p in parts)
+        self.device = parts[0].device
+        self.parts = len(parts)
+        self._addresses = [p.data_ptr() for p in parts]
+        self._bases: torch.Tensor | None = None
         self._offsets: dict[tuple[int, ...], torch.Tensor] = {}
 
     @staticmethod
     def usable(parts: Sequence[torch.Tensor]) -> bool:
-        """Whether the kernel can move these parts: Triton, CUDA, 8-byte words,
-        rows of one width, dense."""
-        if not HAVE_TRITON or not parts:
-            return False
-        width = parts[0].shape[1]
-        return all(
-            p.is_cuda
-            and p.dtype == torch.int64
-            and p.dim() == 2
-            and p.shape[1] == width
-            and p.stride() == (width, 1)
-            for p in parts
-        )
-
-    def matches(self, parts: Sequence[torch.Tensor]) -> bool:
-        """Whether ``parts`` are the buffers this table was built for."""
-        return tuple(p.data_ptr() for p in parts) == self._keys
+        """Whether the kernel can move these parts: Triton, CUDA, and rows it
+        can address (``rows_fit``)."""
+        return HAVE_TRITON and all(p.is_cuda for p in parts) and rows_fit(parts)
 
     def offsets(self, rows: Sequence[int]) -> torch.Tensor:
         """The device table of each part's first word in a page's span, for
-        part ``p`` at row ``rows[p]`` of the span (cached: a pool's rows rarely
-        vary)."""
+        part ``p`` at row ``rows[p]`` of the span (cached per pattern: a pool's
+        rows rarely vary)."""
         key = tuple(rows)
         table = self._offsets.get(key)
         if table is None:
-            table = torch.tensor(
-                [r * self.width for r in key], dtype=torch.int64, device=self.device
-            )
-            if len(self._offsets) < 64:
-                self._offsets[key] = table
+            table = device_index([r * self.width for r in key], self.device)
+            self._offsets[key] = table
         return table
 
     def launch(
@@ -133,7 +118,9 @@ class RowKernel:
         lo, hi = span
         if hi <= lo:
             return
-        grid = (hi - lo, self._bases.numel(), triton.cdiv(self.width, BLOCK_WORDS))
+        if self._bases is None:
+            self._bases = device_index(self._addresses, self.device)
+        grid = (hi - lo, self.parts, triton.cdiv(self.width, BLOCK_WORDS))
         _page_rows[grid](
             self._bases,
             index,
@@ -147,8 +134,30 @@ class RowKernel:
         )
 
 
+def rows_fit(parts: Sequence[torch.Tensor]) -> bool:
+    """Whether ``parts`` are rows the kernel addresses: 8-byte words, 2-D, one
+    width, dense (row ``r`` at ``base + r * width`` words)."""
+    if not parts:
+        return False
+    width = parts[0].shape[1]
+    return all(
+        p.dtype == torch.int64
+        and p.dim() == 2
+        and p.shape[1] == width
+        and p.stride() == (width, 1)
+        for p in parts
+    )
+
+
 _state = {"off": not HAVE_TRITON}  # a compile or launch refused: torch calls
 _warm: set[torch.device] = set()  # devices both directions compiled for
+
+
+def device_fault(exc: BaseException) -> bool:
+    """Whether ``exc`` is the device failing, not Triton refusing the kernel:
+    torch's device errors, and a CUDA error Triton's launcher reports (a sticky
+    fault of an earlier kernel surfaces at the next launch)."""
+    return isinstance(exc, DEVICE_ERRORS) or str(exc).startswith("Triton Error [CUDA]")
 
 
 def disable(what: str) -> None:
@@ -162,38 +171,51 @@ def disable(what: str) -> None:
 
 
 def warm(device: torch.device) -> bool:
-    """Compile both directions now (startup), on tiny tensors of the same kinds
-    of arguments; False (and the kernel off) when Triton cannot."""
+    """Compile both directions now (startup), on tiny tensors with the argument
+    kinds serving passes (whole allocations: 16-byte aligned); False (and the
+    kernel off) when Triton cannot."""
     if _state["off"] or device.type != "cuda":
         return False
     if device in _warm:
         return True
     try:
-        parts = [torch.zeros(2, 4, dtype=torch.int64, device=device)]
-        kernel = RowKernel(parts)
-        index = torch.zeros(2, dtype=torch.int64, device=device)
-        scratch = torch.zeros(8, dtype=torch.int64, device=device)
-        for to_pool in (False, True):
-            kernel.launch(index, (0, 2), scratch, kernel.offsets([0]), 4, to_pool)
-        torch.cuda.synchronize(device)
+        with torch.cuda.device(device):
+            parts = [torch.zeros(2, 4, dtype=torch.int64, device=device)]
+            kernel = RowKernel(parts)
+            index = torch.zeros(2, dtype=torch.int64, device=device)
+            scratch = torch.zeros(8, dtype=torch.int64, device=device)
+            for to_pool in (False, True):
+                kernel.launch(index, (0, 2), scratch, kernel.offsets([0]), 4, to_pool)
+            torch.cuda.synchronize(device)
         _warm.add(device)
         return True
-    except DEVICE_ERRORS:
-        raise
-    except Exception:
+    except Exception as exc:
+        if device_fault(exc):
+            raise
         disable("did not compile")
         return False
+
+
+def compiled_variants() -> int | None:
+    """How many variants of the kernel are compiled in this process (None where
+    this Triton keeps them elsewhere): 2 after ``warm``, and serving adds none."""
+    try:
+        return sum(len(entry[0]) for entry in _page_rows.device_caches.values())
+    except (AttributeError, NameError, TypeError, IndexError):
+        return None
 
 
 def kernel_for(
     cache: dict[Any, RowKernel], parts: Sequence[torch.Tensor]
 ) -> RowKernel | None:
     """The cached ``RowKernel`` of ``parts`` (made on first use), or None when the
-    kernel cannot move them."""
-    if _state["off"] or not RowKernel.usable(parts):
+    kernel cannot move them. Keyed by every part's address, shape and strides."""
+    if _state["off"]:
         return None
-    key = tuple(p.data_ptr() for p in parts)
+    key = tuple((p.data_ptr(), p.shape, p.stride(), p.dtype) for p in parts)
     kernel = cache.get(key)
     if kernel is None:
+        if not RowKernel.usable(parts):
+            return None
         kernel = cache[key] = RowKernel(parts)
     return kernel

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from sglang.srt.mem_cache.storage.kvcr.datapath.page_rows_kernel import (
-    DEVICE_ERRORS,
     RowKernel,
+    device_fault,
     disable,
     kernel_for,
     warm,
@@ -212,6 +212,12 @@ class SpanRestore:
         # Allocated up front so a GPU host fails at startup, not mid-restore.
         self._relay = ScratchRelay(device, scratch_bytes, self.TWO_STREAMS)
         warm(device)  # the one-launch kernel compiled now, never while serving
+        # The scratch came from the current (scheduler) stream's pool: the first
+        # copy's stream waits for what was queued there when it was made.
+        self._born: Any = None
+        if device.type == "cuda":
+            self._born = torch.cuda.Event()
+            self._born.record()
         self._retired: list[torch.Tensor] = []  # outgrown scratch, until drained
         self._host: torch.Tensor | None = None
         self._host_busy: Any = None  # event after the last copy out of _host
@@ -273,9 +279,9 @@ class SpanRestore:
                 stride * kernel.width,
                 to_pool=True,
             )
-        except DEVICE_ERRORS:
-            raise
-        except Exception:
+        except Exception as exc:
+            if device_fault(exc):
+                raise  # the device failed: the batch fails
             disable("was refused")
             return False
         self.kernel_chunks += 1
@@ -317,6 +323,9 @@ class SpanRestore:
         cap_rows = max(nparts, self._relay.half_bytes // row_bytes)
         main = current_stream(self.device)
         side = self._relay.side()
+        if self._born is not None and main is not None:
+            main.wait_event(self._born)
+            self._born = None
         if side is not None:
             side.wait_stream(main)  # the fences and the destination index
         try:

@@ -29,7 +29,8 @@ class ScratchRelay:
         self.device = device
         self.cuda = device.type == "cuda"
         self.two_streams = two_streams and self.cuda
-        self.scratch = torch.empty(max(2, nbytes), dtype=torch.uint8, device=device)
+        half = _aligned(max(1, nbytes // 2))
+        self.scratch = torch.empty(2 * half, dtype=torch.uint8, device=device)
         self._free: list[Any] = [None, None]  # event after a half's last read
         self._next = 0
         self._side: Any = None
@@ -54,7 +55,8 @@ class ScratchRelay:
         if nbytes <= self.half_bytes:
             return None
         old = self.scratch
-        self.scratch = torch.empty(2 * nbytes, dtype=torch.uint8, device=self.device)
+        half = _aligned(nbytes)
+        self.scratch = torch.empty(2 * half, dtype=torch.uint8, device=self.device)
         self._free = [None, None]
         return old
 
@@ -92,6 +94,13 @@ class ScratchRelay:
                 freed = torch.cuda.Event()
                 freed.record(reader)
                 self._free[half] = freed
+
+
+ALIGN = 256  # each half starts as an allocation does: kernels see aligned pointers
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def current_stream(device: torch.device) -> Any:
