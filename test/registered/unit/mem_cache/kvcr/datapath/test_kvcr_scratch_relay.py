@@ -130,7 +130,8 @@ def test_without_two_streams_both_roles_run_on_the_callers_stream() -> None:
     assert relay.grow(scratch_relay.ALIGN) is None
     assert relay.grow(scratch_relay.ALIGN + 1) is not None
     assert relay.half_bytes == 2 * scratch_relay.ALIGN
-    assert relay.take(8, None)[1].data_ptr() % scratch_relay.ALIGN == 0
+    second = relay.take(8, None)[1].data_ptr() - relay.scratch.data_ptr()
+    assert second % scratch_relay.ALIGN == 0 and second == relay.half_bytes
 
 
 # ---- real streams (CUDA) ---------------------------------------------------------

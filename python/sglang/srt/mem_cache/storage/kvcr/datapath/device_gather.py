@@ -28,6 +28,7 @@ from sglang.srt.mem_cache.storage.kvcr.datapath.page_rows_kernel import (
     RowKernel,
     device_fault,
     disable,
+    enabled,
     kernel_for,
 )
 from sglang.srt.mem_cache.storage.kvcr.datapath.scratch_relay import (
@@ -159,6 +160,8 @@ class DeviceGather:
         """Every span of pages ``index[lo:hi]`` into ``picked`` (int64 words) in
         one kernel launch (``page_rows_kernel``); False when Triton refused it
         (per-span gathers from now on)."""
+        if not enabled():  # refused earlier in this job: span by span
+            return False
         try:
             kernel.launch(
                 index,
@@ -169,7 +172,7 @@ class DeviceGather:
                 to_pool=False,
             )
         except Exception as exc:
-            if device_fault(exc):
+            if device_fault(exc, picked.device):
                 raise  # the device failed: the job fails
             disable("was refused")
             return False

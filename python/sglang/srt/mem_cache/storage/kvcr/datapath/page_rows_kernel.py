@@ -153,11 +153,27 @@ _state = {"off": not HAVE_TRITON}  # a compile or launch refused: torch calls
 _warm: set[torch.device] = set()  # devices both directions compiled for
 
 
-def device_fault(exc: BaseException) -> bool:
+def device_fault(exc: BaseException, device: torch.device) -> bool:
     """Whether ``exc`` is the device failing, not Triton refusing the kernel:
-    torch's device errors, and a CUDA error Triton's launcher reports (a sticky
-    fault of an earlier kernel surfaces at the next launch)."""
-    return isinstance(exc, DEVICE_ERRORS) or str(exc).startswith("Triton Error [CUDA]")
+    torch's device errors; and a CUDA error Triton reports (its launcher prefixes
+    every one, a module it cannot load as much as a sticky fault of an earlier
+    kernel) when the device itself then fails a stream query."""
+    if isinstance(exc, DEVICE_ERRORS):
+        return True
+    if not str(exc).startswith("Triton Error [CUDA]"):
+        return False
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.current_stream(device).query()
+    except Exception:
+        return True
+    return False
+
+
+def enabled() -> bool:
+    """Whether the kernel is still in use (no launch was refused)."""
+    return not _state["off"]
 
 
 def disable(what: str) -> None:
@@ -190,7 +206,7 @@ def warm(device: torch.device) -> bool:
         _warm.add(device)
         return True
     except Exception as exc:
-        if device_fault(exc):
+        if device_fault(exc, device):
             raise
         disable("did not compile")
         return False

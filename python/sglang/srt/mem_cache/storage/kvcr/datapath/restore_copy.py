@@ -24,6 +24,7 @@ from sglang.srt.mem_cache.storage.kvcr.datapath.page_rows_kernel import (
     RowKernel,
     device_fault,
     disable,
+    enabled,
     kernel_for,
     warm,
 )
@@ -217,7 +218,7 @@ class SpanRestore:
         self._born: Any = None
         if device.type == "cuda":
             self._born = torch.cuda.Event()
-            self._born.record()
+            self._born.record(torch.cuda.current_stream(device))
         self._retired: list[torch.Tensor] = []  # outgrown scratch, until drained
         self._host: torch.Tensor | None = None
         self._host_busy: Any = None  # event after the last copy out of _host
@@ -270,6 +271,8 @@ class SpanRestore:
         """Pages ``index[span]``, part ``p`` of page ``i`` at staged row
         ``rows[p] + i * stride``, into the pool in one launch; False when the
         kernel was refused (the caller scatters part by part)."""
+        if not enabled():  # refused earlier in this batch: part by part
+            return False
         try:
             kernel.launch(
                 index.contiguous(),
@@ -280,7 +283,7 @@ class SpanRestore:
                 to_pool=True,
             )
         except Exception as exc:
-            if device_fault(exc):
+            if device_fault(exc, self.device):
                 raise  # the device failed: the batch fails
             disable("was refused")
             return False
