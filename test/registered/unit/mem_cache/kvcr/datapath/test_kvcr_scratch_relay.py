@@ -130,8 +130,10 @@ def test_without_two_streams_both_roles_run_on_the_callers_stream() -> None:
     assert relay.grow(scratch_relay.ALIGN) is None
     assert relay.grow(scratch_relay.ALIGN + 1) is not None
     assert relay.half_bytes == 2 * scratch_relay.ALIGN
-    second = relay.take(8, None)[1].data_ptr() - relay.scratch.data_ptr()
-    assert second % scratch_relay.ALIGN == 0 and second == relay.half_bytes
+    starts = [relay.take(8, None) for _ in range(2)]  # halves 0 and 1
+    offsets = [t.data_ptr() - relay.scratch.data_ptr() for _, t in starts]
+    assert offsets == [0, relay.half_bytes]
+    assert relay.half_bytes % scratch_relay.ALIGN == 0
 
 
 # ---- real streams (CUDA) ---------------------------------------------------------
