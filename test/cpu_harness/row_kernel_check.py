@@ -68,7 +68,7 @@ def kernel_alone() -> dict[str, Any]:
 
 
 def span_restore(source: str) -> dict[str, Any]:
-    from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import SpanRestore
+    from sglang.srt.mem_cache.storage.kvcr.datapath.span_restore import SpanRestore
 
     rng = random.Random(source)
     parts, pages, store_rows, width = 4, 24, 200, 6

@@ -216,7 +216,7 @@ def _previous_path_case(
     from sglang.srt.mem_cache.storage.kvcr.datapath.device_gather import (
         DeviceGather,
     )
-    from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import SpanRestore
+    from sglang.srt.mem_cache.storage.kvcr.datapath.span_restore import SpanRestore
 
     saved = SpanRestore.TWO_STREAMS, DeviceGather.TWO_STREAMS
     kernel_off = page_rows_kernel._state["off"]

@@ -25,7 +25,7 @@ from sglang.srt.mem_cache.storage.kvcr.config.startup_checks import (
 from sglang.srt.mem_cache.storage.kvcr.datapath.device_pages import page_rows
 from sglang.srt.mem_cache.storage.kvcr.datapath.dram_copy import DramCopier
 from sglang.srt.mem_cache.storage.kvcr.datapath.offload_staging import HostStaging
-from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import SpanRestore
+from sglang.srt.mem_cache.storage.kvcr.datapath.span_restore import SpanRestore
 from sglang.srt.mem_cache.storage.kvcr.device.device_streams import DeviceBinding
 from sglang.srt.mem_cache.storage.kvcr.device.host_memory import HostMemory
 from sglang.srt.mem_cache.storage.kvcr.layout.model_dtype import served_dtype

@@ -42,7 +42,7 @@ from cpu_harness.kvcr_pages import (
 )
 from sglang.srt.mem_cache.storage.kvcr import rank_setup
 from sglang.srt.mem_cache.storage.kvcr.datapath.offload_staging import StageJob
-from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import SpanRestore
+from sglang.srt.mem_cache.storage.kvcr.datapath.span_restore import SpanRestore
 from sglang.srt.mem_cache.storage.kvcr.device import host_memory
 from sglang.srt.mem_cache.storage.kvcr.device.device_streams import DeviceBinding
 

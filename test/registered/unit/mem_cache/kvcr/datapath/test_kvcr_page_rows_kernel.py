@@ -96,7 +96,7 @@ def test_a_kernel_triton_refuses_falls_back_to_per_part_copies(monkeypatch) -> N
     """A launch Triton refuses (compile error, no toolchain) turns the kernel off
     for the process and the same chunk goes part by part: every byte lands."""
     from sglang.srt.mem_cache.storage.kvcr.datapath import page_rows_kernel as prk
-    from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import SpanRestore
+    from sglang.srt.mem_cache.storage.kvcr.datapath.span_restore import SpanRestore
 
     tried = _cpu_kernel(monkeypatch, "refused (injected)")
     dsts, dest, store, slots = _restore_case()
@@ -114,7 +114,7 @@ def test_a_device_fault_at_a_launch_fails_the_copy(monkeypatch) -> None:
     """A CUDA error Triton's launcher reports (a sticky fault of an earlier
     kernel) is the device failing: the copy fails, the kernel stays on."""
     from sglang.srt.mem_cache.storage.kvcr.datapath import page_rows_kernel as prk
-    from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import SpanRestore
+    from sglang.srt.mem_cache.storage.kvcr.datapath.span_restore import SpanRestore
 
     _cpu_kernel(monkeypatch, "Triton Error [CUDA]: an illegal memory access")
     dsts, dest, store, slots = _restore_case()
@@ -153,7 +153,7 @@ def test_serving_compiles_no_kernel_variant_after_warm(monkeypatch) -> None:
         SlotViews,
     )
     from sglang.srt.mem_cache.storage.kvcr.datapath.device_gather import DeviceGather
-    from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import SpanRestore
+    from sglang.srt.mem_cache.storage.kvcr.datapath.span_restore import SpanRestore
     from sglang.srt.mem_cache.storage.kvcr.device.host_memory import HostMemory
 
     device = torch.device("cuda")

@@ -178,7 +178,7 @@ def test_span_restore_matches_row_copies(device, row_bytes, source) -> None:
     CUDA the store is page-locked (as KVCR DRAM is there), the copies are
     asynchronous on the current stream, and the bytes are read after it
     drained; on CPU the same steps run synchronously."""
-    from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import SpanRestore
+    from sglang.srt.mem_cache.storage.kvcr.datapath.span_restore import SpanRestore
     from sglang.srt.mem_cache.storage.kvcr.device.host_memory import HostMemory
 
     dev = torch.device(device)
@@ -232,7 +232,7 @@ def test_outgrown_device_scratch_stays_alive_until_the_stream_drained() -> None:
     hand it to the stream it came from while the loader stream reads it)."""
     import weakref
 
-    from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import SpanRestore
+    from sglang.srt.mem_cache.storage.kvcr.datapath.span_restore import SpanRestore
 
     parts, pages, row = 4, 3, 64
     slots = _spread_parts(parts, pages)
@@ -253,7 +253,7 @@ def test_outgrown_device_scratch_stays_alive_until_the_stream_drained() -> None:
 def test_scratch_sized_for_the_largest_page_never_grows() -> None:
     """``scratch_for`` (what the rank's restorer is built with) covers a span of
     two pages' parts of the largest pool: the growth above never happens."""
-    from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import SpanRestore
+    from sglang.srt.mem_cache.storage.kvcr.datapath.span_restore import SpanRestore
 
     parts, pages, row = 4, 3, 64
     largest = 2 * 4 * (64 << 20)  # two pages' parts, in each half

@@ -23,8 +23,8 @@ import torch
 from sglang.srt.mem_cache.storage.kvcr.datapath import scratch_relay
 from sglang.srt.mem_cache.storage.kvcr.datapath.copy_jobs import PoolCopy, SlotViews
 from sglang.srt.mem_cache.storage.kvcr.datapath.device_gather import DeviceGather
-from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import SpanRestore
 from sglang.srt.mem_cache.storage.kvcr.datapath.scratch_relay import ScratchRelay
+from sglang.srt.mem_cache.storage.kvcr.datapath.span_restore import SpanRestore
 from sglang.srt.mem_cache.storage.kvcr.device.host_memory import HostMemory
 
 pytestmark = pytest.mark.kvcr
@@ -337,7 +337,7 @@ def test_a_restore_failing_half_way_leaves_nothing_running_once_drained(
     also cover the scatters queued on the second stream. Without the final
     join (``joined`` False, the negative control) the second stream is still
     busy when the loader's stream has drained."""
-    from sglang.srt.mem_cache.storage.kvcr.datapath import restore_copy
+    from sglang.srt.mem_cache.storage.kvcr.datapath import span_restore
 
     parts, pages, row = 4, 16, 512
     memory = HostMemory(pin=True)
@@ -350,7 +350,7 @@ def test_a_restore_failing_half_way_leaves_nothing_running_once_drained(
     ]
     _fail_at_read(monkeypatch, 3)
     if not joined:
-        monkeypatch.setattr(restore_copy, "join", lambda main, side: None)
+        monkeypatch.setattr(span_restore, "join", lambda main, side: None)
     span = SpanRestore(torch.device("cuda"), memory, scratch_bytes=2 * 2 * parts * row)
     stream = torch.cuda.Stream()
     torch.cuda.synchronize()

@@ -61,7 +61,7 @@ def test_gpu_restore_branch_gathers_byte_exact_on_cpu(pool, linker):
     """The GPU restore branch (slot-run spans through a scratch buffer, scattered
     into the pool rows), driven through the linker with its CPU variant: bytes
     land exactly."""
-    from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import SpanRestore
+    from sglang.srt.mem_cache.storage.kvcr.datapath.span_restore import SpanRestore
 
     linker.restorer.span_restore = span = SpanRestore(torch.device("cpu"))
     fill_pages(pool, [1, 2, 3], seed=31)

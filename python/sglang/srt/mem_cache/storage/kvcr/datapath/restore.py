@@ -25,11 +25,9 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import PoolTransfer
 
 from sglang.srt.mem_cache.storage.kvcr.datapath.device_pages import covers, word_rows
-from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import (
-    CpuRestorePlan,
-    SpanRestore,
-)
+from sglang.srt.mem_cache.storage.kvcr.datapath.restore_copy import CpuRestorePlan
 from sglang.srt.mem_cache.storage.kvcr.datapath.row_team import RowTeam
+from sglang.srt.mem_cache.storage.kvcr.datapath.span_restore import SpanRestore
 from sglang.srt.mem_cache.storage.kvcr.datapath.span_rows import SpanRows, span_rows
 from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
     DeviceBinding,
