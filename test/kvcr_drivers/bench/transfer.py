@@ -163,42 +163,52 @@ def bench_transfer(
     }
     out["transfer"] = details
     for n in args.transfer_pages:
-        t0 = time.monotonic()
-        times = transfer_case(args, geo, n, rng)
-        timelines = times.pop("offload_timeline")
-        splits = times.pop("restore_split")
-        nbytes = n * geo.page_bytes
-        rates = {k: [round(gbps(nbytes, x), 3) for x in v] for k, v in times.items()}
-        details[f"{n}p"] = {
-            "request_bytes": nbytes,
-            "gbps": rates,
-            "seconds": round(time.monotonic() - t0, 1),
-            "offload_timeline": timelines,
-            "restore_split": splits,
-        }
-        if timelines:
-            print(f"[bench] offload {n}p, last rep's copy jobs (ms): {timelines[-1]}")
-        if splits:
-            print(f"[bench] restore {n}p, last rep's split (ms): {splits[-1]}")
-        med = {k: statistics.median(v) for k, v in rates.items()}
+        details[f"{n}p"], med, samples = _run_case(args, geo, n, rng, "")
         for name, value, base in (
             (f"restore_vs_pinned_h2d_{n}p", med["restore"], med["h2d"]),
             (f"offload_vs_pinned_d2h_{n}p", med["offload"], med["d2h"]),
             (f"offload_vs_polled_d2h_{n}p", med["offload"], med["d2h_polled"]),
         ):
+            target = target_of(name, args.device)
             metrics.append(
-                metric(
-                    name,
-                    value,
-                    "GB/s",
-                    base,
-                    target=target_of(name, args.device),
-                    samples=len(rates["restore"]),
-                    device=args.device,
-                )
+                _ratio(name, value, base, args.device, samples, target=target)
             )
         if on_cuda and getattr(args, "previous_path_too", False):
             _previous_path_case(args, geo, n, rng, details, metrics)
+
+
+def _run_case(
+    args: argparse.Namespace, geo: Geometry, n: int, rng: random.Random, label: str
+) -> tuple[dict[str, Any], dict[str, float], int]:
+    """One ``transfer_case``: its report entry, the median GB/s per kind and the
+    samples; prints the last rep's timelines (``label`` names the path)."""
+    t0 = time.monotonic()
+    times = transfer_case(args, geo, n, rng)
+    timelines = times.pop("offload_timeline")
+    splits = times.pop("restore_split")
+    nbytes = n * geo.page_bytes
+    rates = {k: [round(gbps(nbytes, x), 3) for x in v] for k, v in times.items()}
+    entry = {
+        "request_bytes": nbytes,
+        "gbps": rates,
+        "seconds": round(time.monotonic() - t0, 1),
+        "offload_timeline": timelines,
+        "restore_split": splits,
+    }
+    if timelines:
+        print(
+            f"[bench] {label}offload {n}p, last rep's copy jobs (ms): {timelines[-1]}"
+        )
+    if splits:
+        print(f"[bench] {label}restore {n}p, last rep's split (ms): {splits[-1]}")
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    return entry, med, len(rates["restore"])
+
+
+def _ratio(
+    name: str, value: float, base: float, device: str, samples: int, **kw: Any
+) -> dict[str, Any]:
+    return metric(name, value, "GB/s", base, samples=samples, device=device, **kw)
 
 
 def _previous_path_case(
@@ -223,36 +233,15 @@ def _previous_path_case(
     SpanRestore.TWO_STREAMS = DeviceGather.TWO_STREAMS = False
     page_rows_kernel._state["off"] = True
     try:
-        times = transfer_case(args, geo, n, rng)
+        entry, med, samples = _run_case(args, geo, n, rng, "previous path: ")
     finally:
         SpanRestore.TWO_STREAMS, DeviceGather.TWO_STREAMS = saved
         page_rows_kernel._state["off"] = kernel_off
-    timelines = times.pop("offload_timeline")
-    splits = times.pop("restore_split")
-    nbytes = n * geo.page_bytes
-    rates = {k: [round(gbps(nbytes, x), 3) for x in v] for k, v in times.items()}
-    details[f"{n}p_previous_path"] = {
-        "gbps": rates,
-        "offload_timeline": timelines,
-        "restore_split": splits,
-    }
-    if splits:
-        print(f"[bench] previous path: restore {n}p, split (ms): {splits[-1]}")
-    if timelines:
-        print(f"[bench] previous path: offload {n}p, copy jobs (ms): {timelines[-1]}")
-    med = {k: statistics.median(v) for k, v in rates.items()}
+    details[f"{n}p_previous_path"] = entry
     for name, value, base in (
         (f"previous_path_restore_vs_pinned_h2d_{n}p", med["restore"], med["h2d"]),
         (f"previous_path_offload_vs_pinned_d2h_{n}p", med["offload"], med["d2h"]),
     ):
         metrics.append(
-            metric(
-                name,
-                value,
-                "GB/s",
-                base,
-                informational=True,
-                samples=len(rates["restore"]),
-                device=args.device,
-            )
+            _ratio(name, value, base, args.device, samples, informational=True)
         )

@@ -96,17 +96,9 @@ def test_every_fill_precedes_its_read_and_every_read_the_next_fill(
     relay = ScratchRelay(torch.device("cpu"), 64, two_streams=False)
     relay.two_streams, relay._side = True, _Stream("side")
     if broken == "free":  # the writer no longer waits for the half's reader
-        real_take = ScratchRelay.take
-        monkeypatch.setattr(
-            ScratchRelay,
-            "take",
-            lambda self, n, w: (
-                setattr(self, "_free", [None, None]),
-                real_take(self, n, w),
-            )[1],
-        )
+        _remove_wait(monkeypatch, "reader")
     if broken == "filled":  # the reader no longer waits for the writer
-        monkeypatch.setattr(ScratchRelay, "hand_over", staticmethod(lambda w, r: None))
+        _remove_wait(monkeypatch, "writer")
     main = _Stream("main")
     for writer, reader in ((main, relay.side()), (relay.side(), main)):
         fills, reads = _drive(relay, writer, reader, chunks=6)

@@ -26,9 +26,6 @@ from sglang.srt.mem_cache.storage.kvcr.datapath.device_pages import word_rows
 from sglang.srt.mem_cache.storage.kvcr.datapath.page_rows_kernel import (
     DEVICE_ERRORS,
     RowKernel,
-    device_fault,
-    disable,
-    enabled,
     kernel_for,
 )
 from sglang.srt.mem_cache.storage.kvcr.datapath.scratch_relay import (
@@ -110,10 +107,6 @@ class DeviceGather:
             side.wait_stream(current_stream(device))
         return relay
 
-    @property
-    def scratch(self) -> torch.Tensor | None:
-        return self._relay.scratch if self._relay is not None else None
-
     def _chunk(
         self,
         group: PoolCopy,
@@ -137,7 +130,14 @@ class DeviceGather:
             if (
                 kernel is None
                 or picked.dtype != torch.int64
-                or not self._gather_at_once(kernel, picked, index, lo, hi)
+                or not kernel.try_launch(
+                    index,
+                    (lo, hi),
+                    picked,
+                    range(kernel.parts),
+                    picked.shape[1],
+                    to_pool=False,
+                )
             ):
                 pages = index[lo:hi]
                 offset = 0
@@ -148,35 +148,6 @@ class DeviceGather:
         first = group.slots[lo]
         with self._relay.reading(half, side, main):
             group.slots_view[first : first + hi - lo].copy_(block, non_blocking=True)
-
-    def _gather_at_once(
-        self,
-        kernel: RowKernel,
-        picked: torch.Tensor,
-        index: torch.Tensor,
-        lo: int,
-        hi: int,
-    ) -> bool:
-        """Every span of pages ``index[lo:hi]`` into ``picked`` (int64 words) in
-        one kernel launch (``page_rows_kernel``); False when Triton refused it
-        (per-span gathers from now on)."""
-        if not enabled():  # refused earlier in this job: span by span
-            return False
-        try:
-            kernel.launch(
-                index,
-                (lo, hi),
-                picked,
-                kernel.offsets(range(kernel.parts)),
-                picked.shape[1],
-                to_pool=False,
-            )
-        except Exception as exc:
-            if device_fault(exc, picked.device):
-                raise  # the device failed: the job fails
-            disable("was refused")
-            return False
-        return True
 
     def _gather(
         self, rows: torch.Tensor, pages: torch.Tensor, target: torch.Tensor

@@ -133,6 +133,29 @@ class RowKernel:
             BLOCK=BLOCK_WORDS,
         )
 
+    def try_launch(
+        self,
+        index: torch.Tensor,
+        span: tuple[int, int],
+        scratch: torch.Tensor,
+        rows: Sequence[int],
+        pitch: int,
+        to_pool: bool,
+    ) -> bool:
+        """``launch`` with part ``p`` at row ``rows[p]`` of a page's span; False
+        when the kernel is off or Triton refuses it (off for the process from
+        then on: the caller copies part by part). A device fault raises."""
+        if not enabled():
+            return False
+        try:
+            self.launch(index, span, scratch, self.offsets(rows), pitch, to_pool)
+        except Exception as exc:
+            if device_fault(exc, self.device):
+                raise  # the device failed: the copy fails
+            disable("was refused")
+            return False
+        return True
+
 
 def rows_fit(parts: Sequence[torch.Tensor]) -> bool:
     """Whether ``parts`` are rows the kernel addresses: 8-byte words, 2-D, one

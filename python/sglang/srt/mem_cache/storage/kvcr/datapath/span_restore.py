@@ -17,9 +17,6 @@ import torch
 
 from sglang.srt.mem_cache.storage.kvcr.datapath.page_rows_kernel import (
     RowKernel,
-    device_fault,
-    disable,
-    enabled,
     kernel_for,
     warm,
 )
@@ -136,7 +133,7 @@ class SpanRestore:
 
     def _scatter_at_once(
         self,
-        kernel: RowKernel,
+        kernel: RowKernel | None,
         index: torch.Tensor,
         span: tuple[int, int],
         staged: torch.Tensor,
@@ -144,23 +141,11 @@ class SpanRestore:
         stride: int,
     ) -> bool:
         """Pages ``index[span]``, part ``p`` of page ``i`` at staged row
-        ``rows[p] + i * stride``, into the pool in one launch; False when the
-        kernel was refused (the caller scatters part by part)."""
-        if not enabled():  # refused earlier in this batch: part by part
-            return False
-        try:
-            kernel.launch(
-                index.contiguous(),
-                span,
-                staged,
-                kernel.offsets(rows),
-                stride * kernel.width,
-                to_pool=True,
-            )
-        except Exception as exc:
-            if device_fault(exc, self.device):
-                raise  # the device failed: the batch fails
-            disable("was refused")
+        ``rows[p] + i * stride``, into the pool in one launch; False when there
+        is no kernel or it was refused (the caller scatters part by part)."""
+        if kernel is None or not kernel.try_launch(
+            index.contiguous(), span, staged, rows, stride * kernel.width, True
+        ):
             return False
         self.kernel_chunks += 1
         return True
@@ -206,11 +191,22 @@ class SpanRestore:
             self._born = None
         if side is not None:
             side.wait_stream(main)  # the fences and the destination index
+        kernel = self._kernel(dest_parts, dest, store)
+        streams = (main, side)
         try:
-            scattered = self._copy_spans(dest_parts, dest, store, src_slots, cap_rows)
+            scattered = self._copy_spans(
+                dest_parts, dest, store, src_slots, cap_rows, streams, kernel
+            )
             if scattered:
                 self._copy_gathered(
-                    dest_parts, dest, store, src_slots, scattered, cap_rows, side
+                    dest_parts,
+                    dest,
+                    store,
+                    src_slots,
+                    scattered,
+                    cap_rows,
+                    streams,
+                    kernel,
                 )
         finally:  # draining the loader's stream drains the scatters too
             join(main, side)
@@ -222,13 +218,13 @@ class SpanRestore:
         store: torch.Tensor,
         src_slots: Sequence[tuple[int, ...]],
         cap_rows: int,
+        streams: tuple[Any, Any],
+        kernel: RowKernel | None,
     ) -> list[int]:
         """Every dense run as span copies; the pages left for the host gather."""
         nparts = len(dest_parts)
         row_bytes = store.shape[1] * store.element_size()
-        main = current_stream(self.device)
-        side = self._relay.side()
-        kernel = self._kernel(dest_parts, dest, store)
+        main, side = streams
         scattered: list[int] = []
         for seg in _dense_segments(plan_segments(src_slots), nparts):
             n = seg.stop - seg.start
@@ -247,7 +243,7 @@ class SpanRestore:
                 staged.copy_(store[lo : lo + rows], non_blocking=True)
                 self.span_copies += 1
                 with self._relay.reading(half, main, side):
-                    if kernel is not None and self._scatter_at_once(
+                    if self._scatter_at_once(
                         kernel,
                         dest,
                         (seg.start + a, seg.start + b),
@@ -275,13 +271,13 @@ class SpanRestore:
         src_slots: Sequence[tuple[int, ...]],
         pages: list[int],
         cap_rows: int,
-        side: Any,
+        streams: tuple[Any, Any],
+        kernel: RowKernel | None,
     ) -> None:
         nparts = len(dest_parts)
         row_bytes = store.shape[1] * store.element_size()
         per_chunk = max(1, cap_rows // nparts)
-        main = current_stream(self.device)
-        kernel = self._kernel(dest_parts, dest, store)
+        main, side = streams
         for a in range(0, len(pages), per_chunk):
             chunk = pages[a : a + per_chunk]
             rows = len(chunk) * nparts
@@ -299,14 +295,12 @@ class SpanRestore:
                 self._host_busy.record(main)
             with self._relay.reading(half, main, side):
                 index = dest.index_select(0, device_index(chunk, dest.device))
-                if kernel is not None and self._scatter_at_once(
+                if not self._scatter_at_once(
                     kernel, index, (0, len(chunk)), staged, range(nparts), nparts
                 ):
-                    self.gathered_pages += len(chunk)
-                    continue
-                by_page = staged.view(len(chunk), nparts, staged.shape[1])
-                for part, target in enumerate(dest_parts):
-                    target.index_copy_(0, index, by_page[:, part])
+                    by_page = staged.view(len(chunk), nparts, staged.shape[1])
+                    for part, target in enumerate(dest_parts):
+                        target.index_copy_(0, index, by_page[:, part])
             self.gathered_pages += len(chunk)
 
 
