@@ -132,6 +132,7 @@ class KVCRDirectLinker(
                 device=self._device,
                 stats=self.stats,
                 timeout_s=cfg.operation_timeout_ms / 1000.0,
+                hold_batches=cfg.offload_hold_batches,
             )
             self.session = session = KVCRSession.for_rank(
                 cfg,
@@ -257,6 +258,10 @@ class KVCRDirectLinker(
     def scheduler_idle(self) -> None:
         """Fully idle: let deposits in flight end now (``Offloader.settle``)."""
         self.offloader.settle(self._route, self._idle_wait_s)
+
+    def batch_done(self) -> None:
+        """A batch's result is through: deferred offloads' holds count it."""
+        self.offloader.queue.hold.note_batch()
 
     def preparation_ready(self, handle: PreparationHandle) -> bool:
         """Whether ``handle``'s attempt may be admitted (by its own preparation)."""

@@ -184,6 +184,95 @@ def test_an_offload_leaves_its_deposit_to_the_next_pump(held_copy):
         lk.close()
 
 
+def _offload_in_a_batch(lk, n: int, salt: str) -> None:
+    """What a busy scheduler does: a batch result whose processing offloads
+    pages ``1..n``, then the ``batch_done`` of that same result."""
+    assert lk.offload(kv_transfer(hashes_for(n, salt), list(range(1, n + 1))))
+    lk.batch_done()
+
+
+def test_a_busy_scheduler_holds_a_deposit_past_the_next_batch(held_copy):
+    """The step right after a prefill shares its output gap with the prefill:
+    a deposit run then lengthens the worst inter-token gap a decoding request
+    sees. While batches keep coming, the deposit waits for one more batch
+    result (``offload_hold_batches``), in FIFO order, then the next pass
+    submits it."""
+    started, release = held_copy
+    pool = make_pool()
+    fill_random(pool, [1, 2, 3], seed=31)
+    lk = make_linker(pool)
+    submitted = _count_submissions(lk)
+    try:
+        lk.batch_done()  # a scheduler that reports its batches
+        _offload_in_a_batch(lk, 2, "hold-a")
+        _offload_in_a_batch(lk, 3, "hold-b")  # the next step offloads too
+        assert lk.num_completed_offloads() == 0  # the next pass
+        assert submitted == [1]  # a: one batch (b's) has passed since its own
+        assert lk.offloader.queue.deferred_count == 1  # b waits for one more
+        assert started.wait(5)
+        lk.batch_done()
+        assert lk.num_completed_offloads() == 0
+        assert submitted == [1, 1]
+        release.set()
+        assert _next_result(lk) is True
+        assert _next_result(lk) is True
+    finally:
+        release.set()
+        lk.close()
+
+
+def test_a_deposit_held_for_the_next_batch_waits_for_nothing_else(
+    held_copy, monkeypatch
+):
+    """The hold never outlasts the batches it waits for: an idle scheduler
+    (``scheduler_idle``) submits it at once, a scheduler that stopped running
+    batches without going idle after ``HOLD_MAX_S``; with
+    ``offload_hold_batches=0``, or a linker no scheduler reports batches to,
+    there is no hold at all."""
+    from sglang.srt.mem_cache.storage.kvcr.datapath import offload_queue
+
+    _, release = held_copy
+    release.set()  # copies run at once here: only submissions are counted
+    pool = make_pool()
+    fill_random(pool, [1, 2], seed=32)
+    monkeypatch.setattr(offload_queue, "HOLD_MAX_S", 0.3)
+    held = make_linker(pool)
+    unheld = make_linker(pool, offload_hold_batches=0)
+    try:
+        for lk, salt in ((held, "idle"), (held, "late")):
+            submitted = _count_submissions(lk)
+            lk.batch_done()
+            _offload_in_a_batch(lk, 2, salt)
+            assert lk.num_completed_offloads() == 0
+            assert submitted == []  # held
+            if salt == "idle":
+                lk.scheduler_idle()
+            else:
+                time.sleep(0.35)
+                assert lk.num_completed_offloads() == 0
+            assert submitted == [1]
+            assert _next_result(lk) is True
+        submitted = _count_submissions(unheld)
+        unheld.batch_done()
+        _offload_in_a_batch(unheld, 2, "no-hold")
+        assert unheld.num_completed_offloads() == 0
+        assert submitted == [1]
+        assert _next_result(unheld) is True
+        direct = make_linker(pool)  # nobody reports batches: the next pump
+        try:
+            submitted = _count_submissions(direct)
+            assert direct.offload(kv_transfer(hashes_for(2, "direct"), [1, 2]))
+            assert direct.num_completed_offloads() == 0
+            assert submitted == [1]
+            assert _next_result(direct) is True
+        finally:
+            direct.close()
+    finally:
+        release.set()
+        held.close()
+        unheld.close()
+
+
 def test_an_idle_pass_blocks_until_the_deposit_in_flight_is_answered(held_copy):
     """SGLang's idle loop spins holding the GIL; ``scheduler_idle`` (its
     ``on_idle`` hook) blocks instead while a deposit is in flight, so the owner

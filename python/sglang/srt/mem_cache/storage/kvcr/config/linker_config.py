@@ -127,6 +127,17 @@ class KVCRLinkerConfig:
             "request arriving meanwhile waits for the wait. 0: never block."
         ),
     )
+    offload_hold_batches: int = dataclasses.field(
+        default=1,
+        metadata=_doc(
+            "While the scheduler keeps running batches, a write-through's deposit "
+            "waits for this many more batch results after the batch that wrote "
+            "its pages (at most 20 ms; an idle scheduler submits it at once), so "
+            "that its work, which shares Python's GIL with the scheduler, does "
+            "not lengthen the step right after a prefill: that step's output gap "
+            "already holds the prefill. 0: submit at the next scheduler pass."
+        ),
+    )
     prepare_chunk_pages: int = dataclasses.field(
         default=64,
         metadata=_doc("Pages per KVCR fetch issued while preparing a request."),
@@ -354,6 +365,9 @@ def _check(cfg: KVCRLinkerConfig) -> None:
         "prepare_chunk_pages", cfg.prepare_chunk_pages, minimum=1, maximum=1 << 20
     )
     require_int("local_hit_wait_ms", cfg.local_hit_wait_ms, minimum=0, maximum=1000)
+    require_int(
+        "offload_hold_batches", cfg.offload_hold_batches, minimum=0, maximum=8
+    )
     require_int(
         "idle_offload_wait_us", cfg.idle_offload_wait_us, minimum=0, maximum=20000
     )

@@ -7,7 +7,10 @@ deposit it was split into has completed (``STORED`` only if all succeeded). The
 queue also keeps the staging slots each staged deposit holds (freed when it
 completes) and the direct-path offloads waiting for their fences
 (``DeferredOffload``), and ``split_deposits`` builds a ready direct offload's
-deposits. It never calls KVCR: the linker submits what it builds.
+deposits. While the scheduler keeps running batches, a deferred offload is also
+held for ``hold_batches`` more of them (``BatchHold``), so that its deposit does
+not run during the step right after the batch that wrote its pages. It never
+calls KVCR: the linker submits what it builds.
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ logger = logging.getLogger(__name__)
 # offload took ~48 ms as 4 deposits and ~36 ms as one.
 SPLIT_DEPOSIT_BYTES = 1 << 30
 DEPOSIT_PARTS = 4
+# Longest a deferred offload is held for later batches (BatchHold): a scheduler
+# that stops running batches without going idle (requests held while their
+# preparations fetch) must not keep the write-through waiting.
+HOLD_MAX_S = 0.02
 
 
 class OffloadOutcome(enum.Enum):
@@ -81,6 +88,43 @@ class DeferredOffload:
     groups: list[PoolPages]
     fences: tuple[Any, ...]
     deadline: float  # past it with fences pending, the offload fails
+    since: float = 0.0  # time.monotonic() at offload()
+    batch: int = 0  # BatchHold.batches at offload()
+
+
+@dataclasses.dataclass(slots=True)
+class BatchHold:
+    """Counts the scheduler's batch results, to hold deferred offloads.
+
+    On a busy scheduler the first pass after a prefill's result runs the next
+    step right away: a deposit submitted then (the owner thread keying and
+    reserving slots, the copier's copy, all taking Python's GIL) lengthens that
+    step, and with it the output gap that already holds the prefill, the worst
+    inter-token latency a decoding request sees. Held until ``hold_batches``
+    more batch results (the batch that wrote the pages counts once its own
+    result is through), it runs during a later, ordinary step instead. No hold
+    without a scheduler reporting batches (``batches == 0``: the linker driven
+    directly), once the scheduler is idle (``release``), or past ``HOLD_MAX_S``.
+    """
+
+    hold_batches: int = 1
+    batches: int = 0  # batch results the scheduler reported
+    released: int = -1  # offloads from batches up to this one are not held
+
+    def note_batch(self) -> None:
+        self.batches += 1
+
+    def release(self) -> None:
+        """The scheduler is idle: nothing deferred so far is held any more."""
+        self.released = self.batches
+
+    def holds(self, deferred: DeferredOffload, now: float) -> bool:
+        return (
+            self.batches > 0
+            and deferred.batch > self.released
+            and self.batches - deferred.batch <= self.hold_batches
+            and now - deferred.since < HOLD_MAX_S
+        )
 
 
 class OffloadQueue:
@@ -91,6 +135,7 @@ class OffloadQueue:
         self._pending: dict[OpId, OffloadRecord] = {}  # deposit op -> its offload
         self._staged: dict[OpId, tuple[int, ...]] = {}  # deposit op -> staging slots
         self._deferred: list[DeferredOffload] = []
+        self.hold = BatchHold()
 
     def __len__(self) -> int:
         return len(self._fifo)
@@ -133,10 +178,13 @@ class OffloadQueue:
         return len(self._deferred)
 
     def take_ready(self, now: float) -> list[DeferredOffload]:
-        """The leading deferred offloads whose fences completed, in order; one
-        still pending past its deadline fails in place (and is taken)."""
+        """The leading deferred offloads no longer held (``BatchHold``) whose
+        fences completed, in order; one whose fences are still pending past its
+        deadline fails in place (and is taken)."""
         ready = 0
         for deferred in self._deferred:
+            if self.hold.holds(deferred, now):
+                break
             if not fences_done(deferred.fences):
                 if now < deferred.deadline:
                     break

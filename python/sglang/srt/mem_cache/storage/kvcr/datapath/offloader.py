@@ -59,11 +59,13 @@ class Offloader:
         device: DeviceBinding,
         stats: LinkerStats,
         timeout_s: float,
+        hold_batches: int = 1,
     ) -> None:
         self.layout = layout  # re-keyed by reset() after new weights
         self.page_size = page_size
         self.staging = staging
         self.queue = OffloadQueue()
+        self.queue.hold.hold_batches = hold_batches
         self.stats = stats
         self._device = device
         self._timeout_s = timeout_s
@@ -126,8 +128,17 @@ class Offloader:
                 # delay that first token.
                 host = [dataclasses.replace(g, pages=to_host(g.pages)) for g in groups]
                 fences = (*events, *self._device.record_fences(None))
-                deadline = time.monotonic() + self._timeout_s
-                self.queue.defer(DeferredOffload(record, host, fences, deadline))
+                now = time.monotonic()
+                self.queue.defer(
+                    DeferredOffload(
+                        record,
+                        host,
+                        fences,
+                        deadline=now + self._timeout_s,
+                        since=now,
+                        batch=self.queue.hold.batches,
+                    )
+                )
                 return
             slots = staging.alloc(len(kv_keys))
             if slots is None:
@@ -210,6 +221,9 @@ class Offloader:
         the offload during the next request's scheduling, not between requests.
         An error in ``route`` propagates as it does from every other pump (the
         results it drained are not silently lost here)."""
+        self.queue.hold.release()  # idle: no later batch to run the deposits past
+        if self.queue.has_deferred:
+            route(0.0)  # submits them now (before this pass blocks, if it does)
         if budget_s <= 0 or not self.queue.deposits_in_flight:
             return
         start = time.monotonic()

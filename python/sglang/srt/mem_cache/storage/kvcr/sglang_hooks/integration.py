@@ -83,6 +83,7 @@ def _hooks() -> list[tuple[str, Callable[..., Any], str]]:
             "around",
         ),
         (f"{_SCHED}.on_idle", _around_on_idle, "around"),
+        (f"{_SCHED}.process_batch_result", _after_process_batch_result, "after"),
         (_PD_PREFILL, _after_optimistic_requeue, "after"),
     ]
     hooks += [(target, around_weight_update, "around") for target in WEIGHT_TARGETS]
@@ -388,6 +389,15 @@ def _around_on_idle(
     if backend is not None and scheduler.is_fully_idle():
         linker_hook(backend, "scheduler_idle")()
     return original(scheduler, *args, **kw)
+
+
+def _after_process_batch_result(
+    result: Any, scheduler: Any, *args: Any, **kw: Any
+) -> None:
+    """A batch's result is processed, its output streamed (``batch_done``)."""
+    backend = preparing_linker_of(getattr(scheduler, "tree_cache", None))
+    if backend is not None:
+        linker_hook(backend, "batch_done")()
 
 
 def _after_check_hicache_events(result: Any, cache: Any) -> None:

@@ -86,6 +86,9 @@ class PreparationHooks:
         SGLang's idle work: the linker may block here briefly, bounded, for its
         own background work."""
 
+    def batch_done(self) -> None:
+        """The scheduler processed a batch's result (its output is out)."""
+
     def weights_changing(
         self, source: str, model_path: str | None = None, load_format: str | None = None
     ) -> None:
@@ -117,6 +120,7 @@ HOOK_NAMES = (
     "finish_request",
     "take_removed_page_hashes",
     "scheduler_idle",
+    "batch_done",
     "weights_changing",
 )
 
