@@ -365,9 +365,7 @@ def _check(cfg: KVCRLinkerConfig) -> None:
         "prepare_chunk_pages", cfg.prepare_chunk_pages, minimum=1, maximum=1 << 20
     )
     require_int("local_hit_wait_ms", cfg.local_hit_wait_ms, minimum=0, maximum=1000)
-    require_int(
-        "offload_hold_batches", cfg.offload_hold_batches, minimum=0, maximum=8
-    )
+    require_int("offload_hold_batches", cfg.offload_hold_batches, minimum=0, maximum=8)
     require_int(
         "idle_offload_wait_us", cfg.idle_offload_wait_us, minimum=0, maximum=20000
     )
