@@ -259,9 +259,13 @@ class KVCRDirectLinker(
         """Fully idle: let deposits in flight end now (``Offloader.settle``)."""
         self.offloader.settle(self._route, self._idle_wait_s)
 
+    def batch_result_started(self) -> None:
+        """A batch's result is being processed (its offloads wait for it)."""
+        self.offloader.queue.hold.result_started()
+
     def batch_done(self) -> None:
         """A batch's result is through: deferred offloads' holds count it."""
-        self.offloader.queue.hold.note_batch()
+        self.offloader.queue.hold.result_done()
 
     def preparation_ready(self, handle: PreparationHandle) -> bool:
         """Whether ``handle``'s attempt may be admitted (by its own preparation)."""
@@ -367,17 +371,8 @@ class KVCRDirectLinker(
 
     def stats_snapshot(self) -> dict[str, Any]:
         """Every counter and gauge of the stats line, by name (linker_stats)."""
-        gauges = Gauges(
-            dram=self.dram.gauges(),
-            residency=self.residency.gauges(),
-            preparations=self.preparations.gauges(),
-            inbound_refused=self.session.inbound_refused(),
-            kvcr=KVCRGauges(
-                self.recovery.failures, self.recovery.restarts, self.recovery.down
-            ),
-        )
         own = snapshot(
-            self.stats, gauges, self.session.stats(), self.hints.stats.as_dict()
+            self.stats, _gauges(self), self.session.stats(), self.hints.stats.as_dict()
         )
         return {**own, **self.replicas.stats_snapshot()}
 
@@ -389,3 +384,15 @@ class KVCRDirectLinker(
 
     def claims_held(self) -> int:
         return self.preparations.gauges().claims_held
+
+
+def _gauges(linker: KVCRDirectLinker) -> Gauges:
+    """The gauges of ``linker``'s stats line, read now."""
+    recovery = linker.recovery
+    return Gauges(
+        dram=linker.dram.gauges(),
+        residency=linker.residency.gauges(),
+        preparations=linker.preparations.gauges(),
+        inbound_refused=linker.session.inbound_refused(),
+        kvcr=KVCRGauges(recovery.failures, recovery.restarts, recovery.down),
+    )

@@ -184,37 +184,60 @@ def test_an_offload_leaves_its_deposit_to_the_next_pump(held_copy):
         lk.close()
 
 
-def _offload_in_a_batch(lk, n: int, salt: str) -> None:
-    """What a busy scheduler does: a batch result whose processing offloads
-    pages ``1..n``, then the ``batch_done`` of that same result."""
+def _offload(lk, n: int, salt: str) -> None:
     assert lk.offload(kv_transfer(hashes_for(n, salt), list(range(1, n + 1))))
+
+
+def _batch_result(lk, offload_n: int = 0, salt: str = "") -> None:
+    """What SGLang's ``process_batch_result`` hook tells the linker about one
+    batch result, offloading pages ``1..offload_n`` from inside it."""
+    lk.batch_result_started()
+    if offload_n:
+        _offload(lk, offload_n, salt)
     lk.batch_done()
 
 
-def test_a_busy_scheduler_holds_a_deposit_past_the_next_batch(held_copy):
+def test_a_busy_scheduler_holds_a_deposit_past_the_next_batch(held_copy, monkeypatch):
     """The step right after a prefill shares its output gap with the prefill:
     a deposit run then lengthens the worst inter-token gap a decoding request
-    sees. While batches keep coming, the deposit waits for one more batch
-    result (``offload_hold_batches``), in FIFO order, then the next pass
-    submits it."""
+    sees. While batches keep coming, a deposit made inside a batch's result
+    waits for the next batch result (``offload_hold_batches=1``), one made
+    outside any result (an abort's) for the next one as well, and so does the
+    first one after an idle pass; in FIFO order, the next pass then submits it."""
+    from sglang.srt.mem_cache.storage.kvcr.datapath import offload_queue
+
+    monkeypatch.setattr(offload_queue, "HOLD_MAX_S", 60.0)  # only batches here
     started, release = held_copy
     pool = make_pool()
     fill_random(pool, [1, 2, 3], seed=31)
     lk = make_linker(pool)
     submitted = _count_submissions(lk)
     try:
-        lk.batch_done()  # a scheduler that reports its batches
-        _offload_in_a_batch(lk, 2, "hold-a")
-        _offload_in_a_batch(lk, 3, "hold-b")  # the next step offloads too
-        assert lk.num_completed_offloads() == 0  # the next pass
-        assert submitted == [1]  # a: one batch (b's) has passed since its own
+        _batch_result(lk, 2, "hold-a")
+        _batch_result(lk, 3, "hold-b")  # the next step offloads too
+        lk.num_completed_offloads()  # the next pass
+        assert submitted == [1]  # a: b's batch result came after its own
         assert lk.offloader.queue.deferred_count == 1  # b waits for one more
         assert started.wait(5)
-        lk.batch_done()
+        _batch_result(lk)
+        lk.num_completed_offloads()
+        assert submitted == [1, 1]
+        _offload(lk, 1, "hold-c")  # outside any batch result
         assert lk.num_completed_offloads() == 0
         assert submitted == [1, 1]
+        _batch_result(lk)
+        lk.num_completed_offloads()
+        assert submitted == [1, 1, 1]
         release.set()
-        assert _next_result(lk) is True
+        for _ in range(3):
+            assert _next_result(lk) is True
+        lk.scheduler_idle()  # idle: holds released, none deferred
+        _batch_result(lk, 2, "hold-d")  # the first prefill after the idle pass
+        assert lk.num_completed_offloads() == 0
+        assert submitted == [1, 1, 1]  # held like any other
+        _batch_result(lk)
+        lk.num_completed_offloads()
+        assert submitted == [1, 1, 1, 1]
         assert _next_result(lk) is True
     finally:
         release.set()
@@ -238,39 +261,33 @@ def test_a_deposit_held_for_the_next_batch_waits_for_nothing_else(
     monkeypatch.setattr(offload_queue, "HOLD_MAX_S", 0.3)
     held = make_linker(pool)
     unheld = make_linker(pool, offload_hold_batches=0)
+    direct = make_linker(pool)  # nobody reports batches to it
     try:
         for lk, salt in ((held, "idle"), (held, "late")):
             submitted = _count_submissions(lk)
-            lk.batch_done()
-            _offload_in_a_batch(lk, 2, salt)
+            _batch_result(lk, 2, salt)
             assert lk.num_completed_offloads() == 0
             assert submitted == []  # held
             if salt == "idle":
                 lk.scheduler_idle()
             else:
                 time.sleep(0.35)
-                assert lk.num_completed_offloads() == 0
+                lk.num_completed_offloads()
             assert submitted == [1]
             assert _next_result(lk) is True
-        submitted = _count_submissions(unheld)
-        unheld.batch_done()
-        _offload_in_a_batch(unheld, 2, "no-hold")
-        assert unheld.num_completed_offloads() == 0
-        assert submitted == [1]
-        assert _next_result(unheld) is True
-        direct = make_linker(pool)  # nobody reports batches: the next pump
-        try:
-            submitted = _count_submissions(direct)
-            assert direct.offload(kv_transfer(hashes_for(2, "direct"), [1, 2]))
-            assert direct.num_completed_offloads() == 0
+        for lk, salt in ((unheld, "no-hold"), (direct, "direct")):
+            submitted = _count_submissions(lk)
+            if lk is unheld:
+                _batch_result(lk, 2, salt)
+            else:
+                _offload(lk, 2, salt)
+            lk.num_completed_offloads()
             assert submitted == [1]
-            assert _next_result(direct) is True
-        finally:
-            direct.close()
+            assert _next_result(lk) is True
     finally:
         release.set()
-        held.close()
-        unheld.close()
+        for lk in (held, unheld, direct):
+            lk.close()
 
 
 def test_an_idle_pass_blocks_until_the_deposit_in_flight_is_answered(held_copy):

@@ -407,6 +407,55 @@ def test_an_idle_pass_asks_a_preparing_linker_first_and_only_when_fully_idle():
         assert (got, calls) == ("idle", want)
 
 
+def test_a_batch_result_is_bracketed_for_a_preparing_linker_even_when_it_raises():
+    """The ``process_batch_result`` hook: a preparing linker hears
+    ``batch_result_started`` before SGLang processes the result (the
+    write-through offloads made inside it are stamped as such) and
+    ``batch_done`` after, also when SGLang raises; other linkers hear nothing."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
+        PreparationHooks,
+    )
+
+    calls: list[str] = []
+
+    class Preparing(PreparationHooks):
+        prepares_requests = True
+
+        def batch_result_started(self) -> None:
+            calls.append("started")
+
+        def batch_done(self) -> None:
+            calls.append("done")
+
+    def scheduler(linker: Any) -> Any:
+        wrapper = SimpleNamespace(cache_linker=linker)
+        return SimpleNamespace(tree_cache=SimpleNamespace(linker=wrapper))
+
+    def sglang_result(sched: Any, batch: Any, result: Any) -> str:
+        calls.append("sglang")
+        if batch == "bad":
+            raise RuntimeError("result processing failed (injected)")
+        return "processed"
+
+    for linker, want in (
+        (Preparing(), ["started", "sglang", "done"]),
+        (object(), ["sglang"]),
+    ):
+        calls.clear()
+        got = integration._around_process_batch_result(
+            sglang_result, scheduler(linker), "batch", "result"
+        )
+        assert (got, calls) == ("processed", want)
+    calls.clear()
+    with pytest.raises(RuntimeError, match="injected"):
+        integration._around_process_batch_result(
+            sglang_result, scheduler(Preparing()), "bad", "result"
+        )
+    assert calls == ["started", "sglang", "done"]
+
+
 # ---- 2. aborts release claims ----------------------------------------------------
 
 

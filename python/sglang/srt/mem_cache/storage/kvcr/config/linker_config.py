@@ -131,11 +131,12 @@ class KVCRLinkerConfig:
         default=1,
         metadata=_doc(
             "While the scheduler keeps running batches, a write-through's deposit "
-            "waits for this many more batch results after the batch that wrote "
-            "its pages (at most 20 ms; an idle scheduler submits it at once), so "
-            "that its work, which shares Python's GIL with the scheduler, does "
-            "not lengthen the step right after a prefill: that step's output gap "
-            "already holds the prefill. 0: submit at the next scheduler pass."
+            "waits for this many more batch results after the one that made the "
+            "offload (at most 20 ms, checked each scheduler pass; an idle "
+            "scheduler submits it at once), so that its work, which shares "
+            "Python's GIL with the scheduler, does not lengthen the step right "
+            "after a prefill: that step's output gap already holds the prefill. "
+            "0: submit at the next scheduler pass."
         ),
     )
     prepare_chunk_pages: int = dataclasses.field(

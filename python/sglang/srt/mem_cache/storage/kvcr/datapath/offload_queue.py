@@ -89,7 +89,8 @@ class DeferredOffload:
     fences: tuple[Any, ...]
     deadline: float  # past it with fences pending, the offload fails
     since: float = 0.0  # time.monotonic() at offload()
-    batch: int = 0  # BatchHold.batches at offload()
+    seq: int = 0  # BatchHold's stamp: which offload this is
+    ready_after: int = 0  # held until BatchHold.batches reaches it
 
 
 @dataclasses.dataclass(slots=True)
@@ -101,28 +102,42 @@ class BatchHold:
     reserving slots, the copier's copy, all taking Python's GIL) lengthens that
     step, and with it the output gap that already holds the prefill, the worst
     inter-token latency a decoding request sees. Held until ``hold_batches``
-    more batch results (the batch that wrote the pages counts once its own
-    result is through), it runs during a later, ordinary step instead. No hold
-    without a scheduler reporting batches (``batches == 0``: the linker driven
-    directly), once the scheduler is idle (``release``), or past ``HOLD_MAX_S``.
+    more batch results have come (an offload made while a batch's result is
+    processed waits for that result to finish first), it runs during a later,
+    ordinary step instead. No hold with ``hold_batches == 0``, without a
+    scheduler reporting batches (``batches == 0``: the linker driven directly),
+    for what was deferred before the scheduler last went idle (``release``),
+    or past ``HOLD_MAX_S`` (checked at each pump, once a scheduler pass).
     """
 
     hold_batches: int = 1
-    batches: int = 0  # batch results the scheduler reported
-    released: int = -1  # offloads from batches up to this one are not held
+    batches: int = 0  # batch results the scheduler finished processing
+    in_result: bool = False  # a batch's result is being processed now
+    offloads: int = 0  # offloads stamped so far
+    released: int = 0  # offloads up to this stamp are not held (idle)
 
-    def note_batch(self) -> None:
+    def result_started(self) -> None:
+        self.in_result = True
+
+    def result_done(self) -> None:
+        self.in_result = False
         self.batches += 1
+
+    def stamp(self) -> tuple[int, int]:
+        """(seq, ready_after) for an offload deferred now."""
+        self.offloads += 1
+        return self.offloads, self.batches + self.hold_batches + int(self.in_result)
 
     def release(self) -> None:
         """The scheduler is idle: nothing deferred so far is held any more."""
-        self.released = self.batches
+        self.released = self.offloads
 
     def holds(self, deferred: DeferredOffload, now: float) -> bool:
         return (
-            self.batches > 0
-            and deferred.batch > self.released
-            and self.batches - deferred.batch <= self.hold_batches
+            self.hold_batches > 0
+            and self.batches > 0
+            and deferred.seq > self.released
+            and self.batches < deferred.ready_after
             and now - deferred.since < HOLD_MAX_S
         )
 

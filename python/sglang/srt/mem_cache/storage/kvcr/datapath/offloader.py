@@ -129,6 +129,7 @@ class Offloader:
                 host = [dataclasses.replace(g, pages=to_host(g.pages)) for g in groups]
                 fences = (*events, *self._device.record_fences(None))
                 now = time.monotonic()
+                seq, ready_after = self.queue.hold.stamp()
                 self.queue.defer(
                     DeferredOffload(
                         record,
@@ -136,7 +137,8 @@ class Offloader:
                         fences,
                         deadline=now + self._timeout_s,
                         since=now,
-                        batch=self.queue.hold.batches,
+                        seq=seq,
+                        ready_after=ready_after,
                     )
                 )
                 return

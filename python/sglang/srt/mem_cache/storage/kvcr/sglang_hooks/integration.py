@@ -83,7 +83,7 @@ def _hooks() -> list[tuple[str, Callable[..., Any], str]]:
             "around",
         ),
         (f"{_SCHED}.on_idle", _around_on_idle, "around"),
-        (f"{_SCHED}.process_batch_result", _after_process_batch_result, "after"),
+        (f"{_SCHED}.process_batch_result", _around_process_batch_result, "around"),
         (_PD_PREFILL, _after_optimistic_requeue, "after"),
     ]
     hooks += [(target, around_weight_update, "around") for target in WEIGHT_TARGETS]
@@ -391,12 +391,19 @@ def _around_on_idle(
     return original(scheduler, *args, **kw)
 
 
-def _after_process_batch_result(
-    result: Any, scheduler: Any, *args: Any, **kw: Any
-) -> None:
-    """A batch's result is processed, its output streamed (``batch_done``)."""
+def _around_process_batch_result(
+    original: Callable[..., Any], scheduler: Any, *args: Any, **kw: Any
+) -> Any:
+    """A batch's result: its write-through offloads are made inside it, and
+    the linker counts it once it is processed, its output streamed
+    (``batch_result_started`` / ``batch_done``)."""
     backend = preparing_linker_of(getattr(scheduler, "tree_cache", None))
-    if backend is not None:
+    if backend is None:
+        return original(scheduler, *args, **kw)
+    linker_hook(backend, "batch_result_started")()
+    try:
+        return original(scheduler, *args, **kw)
+    finally:
         linker_hook(backend, "batch_done")()
 
 

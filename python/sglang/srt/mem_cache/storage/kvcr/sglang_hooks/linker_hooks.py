@@ -86,6 +86,10 @@ class PreparationHooks:
         SGLang's idle work: the linker may block here briefly, bounded, for its
         own background work."""
 
+    def batch_result_started(self) -> None:
+        """The scheduler starts processing a batch's result (its write-through
+        offloads come from inside it)."""
+
     def batch_done(self) -> None:
         """The scheduler processed a batch's result (its output is out)."""
 
@@ -120,6 +124,7 @@ HOOK_NAMES = (
     "finish_request",
     "take_removed_page_hashes",
     "scheduler_idle",
+    "batch_result_started",
     "batch_done",
     "weights_changing",
 )
