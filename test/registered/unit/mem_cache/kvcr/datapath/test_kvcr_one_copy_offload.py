@@ -249,7 +249,7 @@ def test_a_deposit_held_for_the_next_batch_waits_for_nothing_else(
 ):
     """The hold never outlasts the batches it waits for: an idle scheduler
     (``scheduler_idle``) submits it at once, a scheduler that stopped running
-    batches without going idle after ``HOLD_MAX_S``; with
+    batches without going idle once ``HOLD_MAX_S`` has passed; with
     ``offload_hold_batches=0``, or a linker no scheduler reports batches to,
     there is no hold at all."""
     from sglang.srt.mem_cache.storage.kvcr.datapath import offload_queue
@@ -258,7 +258,7 @@ def test_a_deposit_held_for_the_next_batch_waits_for_nothing_else(
     release.set()  # copies run at once here: only submissions are counted
     pool = make_pool()
     fill_random(pool, [1, 2], seed=32)
-    monkeypatch.setattr(offload_queue, "HOLD_MAX_S", 0.3)
+    monkeypatch.setattr(offload_queue, "HOLD_MAX_S", 60.0)  # aged below
     held = make_linker(pool)
     unheld = make_linker(pool, offload_hold_batches=0)
     direct = make_linker(pool)  # nobody reports batches to it
@@ -270,8 +270,11 @@ def test_a_deposit_held_for_the_next_batch_waits_for_nothing_else(
             assert submitted == []  # held
             if salt == "idle":
                 lk.scheduler_idle()
-            else:
-                time.sleep(0.35)
+            else:  # deferred HOLD_MAX_S ago, no batch since
+                queue = lk.offloader.queue
+                queue._deferred[0] = dataclasses.replace(
+                    queue._deferred[0], since=queue._deferred[0].since - 61.0
+                )
                 lk.num_completed_offloads()
             assert submitted == [1]
             assert _next_result(lk) is True
@@ -288,6 +291,20 @@ def test_a_deposit_held_for_the_next_batch_waits_for_nothing_else(
         release.set()
         for lk in (held, unheld, direct):
             lk.close()
+
+
+def test_a_batch_result_inside_another_leaves_the_outer_one_open():
+    """An offload after a nested result ended, still inside the outer one,
+    waits for the outer result and one more (the bracket is a depth)."""
+    from sglang.srt.mem_cache.storage.kvcr.datapath.offload_queue import BatchHold
+
+    hold = BatchHold(hold_batches=1, batches=5)
+    hold.result_started()
+    hold.result_started()
+    hold.result_done()  # the inner result: batches 6
+    assert hold.stamp() == (1, 6 + 1 + 1)
+    hold.result_done()
+    assert hold.stamp() == (2, 7 + 1)
 
 
 def test_an_idle_pass_blocks_until_the_deposit_in_flight_is_answered(held_copy):

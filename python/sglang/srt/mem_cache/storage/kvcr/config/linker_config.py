@@ -136,7 +136,8 @@ class KVCRLinkerConfig:
             "scheduler submits it at once), so that its work, which shares "
             "Python's GIL with the scheduler, does not lengthen the step right "
             "after a prefill: that step's output gap already holds the prefill. "
-            "0: submit at the next scheduler pass."
+            "0: submit at the next scheduler pass. Direct path only (offload_path "
+            "'staged' submits from its stager)."
         ),
     )
     prepare_chunk_pages: int = dataclasses.field(

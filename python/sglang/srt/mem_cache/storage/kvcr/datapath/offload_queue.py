@@ -95,7 +95,8 @@ class DeferredOffload:
 
 @dataclasses.dataclass(slots=True)
 class BatchHold:
-    """Counts the scheduler's batch results, to hold deferred offloads.
+    """Counts the scheduler's batch results, to hold deferred (direct-path)
+    offloads.
 
     On a busy scheduler the first pass after a prefill's result runs the next
     step right away: a deposit submitted then (the owner thread keying and
@@ -112,21 +113,21 @@ class BatchHold:
 
     hold_batches: int = 1
     batches: int = 0  # batch results the scheduler finished processing
-    in_result: bool = False  # a batch's result is being processed now
+    in_result: int = 0  # batch results being processed now (nested: depth)
     offloads: int = 0  # offloads stamped so far
     released: int = 0  # offloads up to this stamp are not held (idle)
 
     def result_started(self) -> None:
-        self.in_result = True
+        self.in_result += 1
 
     def result_done(self) -> None:
-        self.in_result = False
+        self.in_result = max(0, self.in_result - 1)
         self.batches += 1
 
     def stamp(self) -> tuple[int, int]:
         """(seq, ready_after) for an offload deferred now."""
         self.offloads += 1
-        return self.offloads, self.batches + self.hold_batches + int(self.in_result)
+        return self.offloads, self.batches + self.hold_batches + int(self.in_result > 0)
 
     def release(self) -> None:
         """The scheduler is idle: nothing deferred so far is held any more."""
