@@ -367,13 +367,19 @@ class _NothingResident:
         return getattr(self._inner, name)
 
 
+def _scheduler_of(linker: Any, **attrs: Any) -> Any:
+    """A stand-in scheduler whose tree cache's linker wrapper holds ``linker``."""
+    from types import SimpleNamespace
+
+    wrapper = SimpleNamespace(cache_linker=linker)
+    return SimpleNamespace(tree_cache=SimpleNamespace(linker=wrapper), **attrs)
+
+
 def test_an_idle_pass_asks_a_preparing_linker_first_and_only_when_fully_idle():
     """The ``on_idle`` hook: a preparing linker's ``scheduler_idle`` runs before
     SGLang's idle work (and its ``--sleep-on-idle`` poll), only when nothing
     waits in any queue; a linker without the hooks (Mooncake, mori) is never
     asked, and SGLang's own idle work always runs."""
-    from types import SimpleNamespace
-
     from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
         PreparationHooks,
     )
@@ -386,13 +392,6 @@ def test_an_idle_pass_asks_a_preparing_linker_first_and_only_when_fully_idle():
         def scheduler_idle(self) -> None:
             calls.append("linker")
 
-    def scheduler(linker: Any, fully_idle: bool) -> Any:
-        wrapper = SimpleNamespace(cache_linker=linker)
-        return SimpleNamespace(
-            tree_cache=SimpleNamespace(linker=wrapper),
-            is_fully_idle=lambda: fully_idle,
-        )
-
     def sglang_on_idle(sched: Any) -> str:
         calls.append("sglang")
         return "idle"
@@ -403,7 +402,9 @@ def test_an_idle_pass_asks_a_preparing_linker_first_and_only_when_fully_idle():
         (object(), True, ["sglang"]),
     ):
         calls.clear()
-        got = integration._around_on_idle(sglang_on_idle, scheduler(linker, fully_idle))
+        got = integration._around_on_idle(
+            sglang_on_idle, _scheduler_of(linker, is_fully_idle=lambda v=fully_idle: v)
+        )
         assert (got, calls) == ("idle", want)
 
 
@@ -412,8 +413,6 @@ def test_a_batch_result_is_bracketed_for_a_preparing_linker_even_when_it_raises(
     ``batch_result_started`` before SGLang processes the result (the
     write-through offloads made inside it are stamped as such) and
     ``batch_done`` after, also when SGLang raises; other linkers hear nothing."""
-    from types import SimpleNamespace
-
     from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
         PreparationHooks,
     )
@@ -429,10 +428,6 @@ def test_a_batch_result_is_bracketed_for_a_preparing_linker_even_when_it_raises(
         def batch_done(self) -> None:
             calls.append("done")
 
-    def scheduler(linker: Any) -> Any:
-        wrapper = SimpleNamespace(cache_linker=linker)
-        return SimpleNamespace(tree_cache=SimpleNamespace(linker=wrapper))
-
     def sglang_result(sched: Any, batch: Any, result: Any) -> str:
         calls.append("sglang")
         if batch == "bad":
@@ -445,13 +440,13 @@ def test_a_batch_result_is_bracketed_for_a_preparing_linker_even_when_it_raises(
     ):
         calls.clear()
         got = integration._around_process_batch_result(
-            sglang_result, scheduler(linker), "batch", "result"
+            sglang_result, _scheduler_of(linker), "batch", "result"
         )
         assert (got, calls) == ("processed", want)
     calls.clear()
     with pytest.raises(RuntimeError, match="injected"):
         integration._around_process_batch_result(
-            sglang_result, scheduler(Preparing()), "bad", "result"
+            sglang_result, _scheduler_of(Preparing()), "bad", "result"
         )
     assert calls == ["started", "sglang", "done"]
 

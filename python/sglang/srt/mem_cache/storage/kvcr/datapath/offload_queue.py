@@ -146,12 +146,12 @@ class BatchHold:
 class OffloadQueue:
     """The FIFO of offload results and what each deposit in flight holds."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold_batches: int = 1) -> None:
         self._fifo: collections.deque[OffloadRecord] = collections.deque()
         self._pending: dict[OpId, OffloadRecord] = {}  # deposit op -> its offload
         self._staged: dict[OpId, tuple[int, ...]] = {}  # deposit op -> staging slots
         self._deferred: list[DeferredOffload] = []
-        self.hold = BatchHold()
+        self.hold = BatchHold(hold_batches)
 
     def __len__(self) -> int:
         return len(self._fifo)

@@ -64,8 +64,7 @@ class Offloader:
         self.layout = layout  # re-keyed by reset() after new weights
         self.page_size = page_size
         self.staging = staging
-        self.queue = OffloadQueue()
-        self.queue.hold.hold_batches = hold_batches
+        self.queue = OffloadQueue(hold_batches)
         self.stats = stats
         self._device = device
         self._timeout_s = timeout_s

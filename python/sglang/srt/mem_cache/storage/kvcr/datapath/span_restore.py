@@ -10,6 +10,7 @@ first. ``datapath/restore.py``'s loader runs it on its own stream.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -34,6 +35,28 @@ from sglang.srt.mem_cache.storage.kvcr.device.device_streams import (
     wait_event,
 )
 from sglang.srt.mem_cache.storage.kvcr.device.host_memory import HostMemory
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _PoolCopy:
+    """One ``copy_pool`` call: what its span and gather steps share."""
+
+    dest_parts: Sequence[torch.Tensor]
+    dest: torch.Tensor
+    store: torch.Tensor
+    src_slots: Sequence[tuple[int, ...]]
+    cap_rows: int  # rows of ``store`` one scratch half holds
+    main: Any  # the caller's stream (None on CPU): the host-to-device copies
+    side: Any  # the scatters' stream (None: the caller's)
+    kernel: RowKernel | None
+
+    @property
+    def nparts(self) -> int:
+        return len(self.dest_parts)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.store.shape[1] * self.store.element_size()
 
 
 class SpanRestore:
@@ -191,60 +214,49 @@ class SpanRestore:
             self._born = None
         if side is not None:
             side.wait_stream(main)  # the fences and the destination index
-        kernel = self._kernel(dest_parts, dest, store)
-        streams = (main, side)
+        job = _PoolCopy(
+            dest_parts,
+            dest,
+            store,
+            src_slots,
+            cap_rows,
+            main,
+            side,
+            self._kernel(dest_parts, dest, store),
+        )
         try:
-            scattered = self._copy_spans(
-                dest_parts, dest, store, src_slots, cap_rows, streams, kernel
-            )
+            scattered = self._copy_spans(job)
             if scattered:
-                self._copy_gathered(
-                    dest_parts,
-                    dest,
-                    store,
-                    src_slots,
-                    scattered,
-                    cap_rows,
-                    streams,
-                    kernel,
-                )
+                self._copy_gathered(job, scattered)
         finally:  # draining the loader's stream drains the scatters too
             join(main, side)
 
-    def _copy_spans(
-        self,
-        dest_parts: Sequence[torch.Tensor],
-        dest: torch.Tensor,
-        store: torch.Tensor,
-        src_slots: Sequence[tuple[int, ...]],
-        cap_rows: int,
-        streams: tuple[Any, Any],
-        kernel: RowKernel | None,
-    ) -> list[int]:
+    def _copy_spans(self, job: _PoolCopy) -> list[int]:
         """Every dense run as span copies; the pages left for the host gather."""
-        nparts = len(dest_parts)
-        row_bytes = store.shape[1] * store.element_size()
-        main, side = streams
+        dest, store, nparts = job.dest, job.store, job.nparts
+        main, side = job.main, job.side
         scattered: list[int] = []
-        for seg in _dense_segments(plan_segments(src_slots), nparts):
+        for seg in _dense_segments(plan_segments(job.src_slots), nparts):
             n = seg.stop - seg.start
             low, high = min(seg.first), max(seg.first)
             page_span = high - low + 1
             if page_span > 2 * nparts:  # this page's parts lie far apart
                 scattered.extend(range(seg.start, seg.stop))
                 continue
-            per_chunk = max(1, (max(cap_rows, page_span) - page_span) // seg.stride + 1)
+            per_chunk = max(
+                1, (max(job.cap_rows, page_span) - page_span) // seg.stride + 1
+            )
             for a in range(0, n, per_chunk):
                 b = min(n, a + per_chunk)
                 lo = low + a * seg.stride
                 rows = page_span + (b - a - 1) * seg.stride
-                half, buf = self._device_buffer(rows * row_bytes, main)
+                half, buf = self._device_buffer(rows * job.row_bytes, main)
                 staged = _rows(buf, store, rows)
                 staged.copy_(store[lo : lo + rows], non_blocking=True)
                 self.span_copies += 1
                 with self._relay.reading(half, main, side):
                     if self._scatter_at_once(
-                        kernel,
+                        job.kernel,
                         dest,
                         (seg.start + a, seg.start + b),
                         staged,
@@ -253,7 +265,7 @@ class SpanRestore:
                     ):
                         continue
                     index = dest[seg.start + a : seg.start + b]
-                    for part, target in enumerate(dest_parts):
+                    for part, target in enumerate(job.dest_parts):
                         view = staged.as_strided(
                             (b - a, staged.shape[1]),
                             (seg.stride * staged.stride(0), 1),
@@ -263,27 +275,18 @@ class SpanRestore:
                         target.index_copy_(0, index, view)
         return scattered
 
-    def _copy_gathered(
-        self,
-        dest_parts: Sequence[torch.Tensor],
-        dest: torch.Tensor,
-        store: torch.Tensor,
-        src_slots: Sequence[tuple[int, ...]],
-        pages: list[int],
-        cap_rows: int,
-        streams: tuple[Any, Any],
-        kernel: RowKernel | None,
-    ) -> None:
-        nparts = len(dest_parts)
-        row_bytes = store.shape[1] * store.element_size()
-        per_chunk = max(1, cap_rows // nparts)
-        main, side = streams
+    def _copy_gathered(self, job: _PoolCopy, pages: list[int]) -> None:
+        """``pages`` gathered on the host first, chunk by chunk."""
+        dest, store, nparts = job.dest, job.store, job.nparts
+        main, side = job.main, job.side
+        row_bytes = job.row_bytes
+        per_chunk = max(1, job.cap_rows // nparts)
         for a in range(0, len(pages), per_chunk):
             chunk = pages[a : a + per_chunk]
             rows = len(chunk) * nparts
             host = _rows(self._host_buffer(rows * row_bytes), store, rows)
             slots = torch.tensor(
-                [src_slots[i][p] for i in chunk for p in range(nparts)],
+                [job.src_slots[i][p] for i in chunk for p in range(nparts)],
                 dtype=torch.long,
             )
             torch.index_select(store, 0, slots, out=host)
@@ -296,10 +299,10 @@ class SpanRestore:
             with self._relay.reading(half, main, side):
                 index = dest.index_select(0, device_index(chunk, dest.device))
                 if not self._scatter_at_once(
-                    kernel, index, (0, len(chunk)), staged, range(nparts), nparts
+                    job.kernel, index, (0, len(chunk)), staged, range(nparts), nparts
                 ):
                     by_page = staged.view(len(chunk), nparts, staged.shape[1])
-                    for part, target in enumerate(dest_parts):
+                    for part, target in enumerate(job.dest_parts):
                         target.index_copy_(0, index, by_page[:, part])
             self.gathered_pages += len(chunk)
 
