@@ -83,8 +83,7 @@ class KVCRDirectLinker(
     publishes_external_events = True
 
     def __init__(self, setup: LinkerSetup, *sglang_args: Any, **sglang_kw: Any) -> None:
-        """Built by ``builder.build_linker`` (the plugin's linker hook), which
-        hands over the rank's parsed config, description and resources."""
+        """Built by ``builder.build_linker`` (the plugin's linker hook) only."""
         if not isinstance(setup, LinkerSetup) or sglang_args or sglang_kw:
             raise KVCRUnavailableError(NOT_BUILT_BY_PLUGIN)
         self.config = cfg = setup.config
@@ -133,6 +132,7 @@ class KVCRDirectLinker(
                 stats=self.stats,
                 timeout_s=cfg.operation_timeout_ms / 1000.0,
                 hold_batches=cfg.offload_hold_batches,
+                idle_delay_s=cfg.idle_offload_delay_us / 1e6,
             )
             self.session = session = KVCRSession.for_rank(
                 cfg,
@@ -255,9 +255,9 @@ class KVCRDirectLinker(
         bound = max(self.dram.gauges().dram_bytes // 4, self.config.max_abandoned_bytes)
         return held > bound
 
-    def scheduler_idle(self) -> None:
+    def scheduler_idle(self, sleeps: bool = False) -> None:
         """Fully idle: let deposits in flight end now (``Offloader.settle``)."""
-        self.offloader.settle(self._route, self._idle_wait_s)
+        self.offloader.settle(self._route, self._idle_wait_s, immediate=sleeps)
 
     def batch_result_started(self) -> None:
         """A batch's result is being processed (its offloads wait for it)."""

@@ -248,10 +248,10 @@ def test_a_deposit_held_for_the_next_batch_waits_for_nothing_else(
     held_copy, monkeypatch
 ):
     """The hold never outlasts the batches it waits for: an idle scheduler
-    (``scheduler_idle``) submits it at once, a scheduler that stopped running
-    batches without going idle once ``HOLD_MAX_S`` has passed; with
-    ``offload_hold_batches=0``, or a linker no scheduler reports batches to,
-    there is no hold at all."""
+    (``scheduler_idle``) submits it at once (``idle_offload_delay_us=0``), a
+    scheduler that stopped running batches without going idle once
+    ``HOLD_MAX_S`` has passed; with ``offload_hold_batches=0``, or a linker no
+    scheduler reports batches to, there is no hold at all."""
     from sglang.srt.mem_cache.storage.kvcr.datapath import offload_queue
 
     _, release = held_copy
@@ -259,7 +259,7 @@ def test_a_deposit_held_for_the_next_batch_waits_for_nothing_else(
     pool = make_pool()
     fill_random(pool, [1, 2], seed=32)
     monkeypatch.setattr(offload_queue, "HOLD_MAX_S", 60.0)  # aged below
-    held = make_linker(pool)
+    held = make_linker(pool, idle_offload_delay_us=0)
     unheld = make_linker(pool, offload_hold_batches=0)
     direct = make_linker(pool)  # nobody reports batches to it
     try:
@@ -271,10 +271,7 @@ def test_a_deposit_held_for_the_next_batch_waits_for_nothing_else(
             if salt == "idle":
                 lk.scheduler_idle()
             else:  # deferred HOLD_MAX_S ago, no batch since
-                queue = lk.offloader.queue
-                queue._deferred[0] = dataclasses.replace(
-                    queue._deferred[0], since=queue._deferred[0].since - 61.0
-                )
+                _age(lk, 0, 61.0)
                 lk.num_completed_offloads()
             assert submitted == [1]
             assert _next_result(lk) is True
@@ -291,6 +288,64 @@ def test_a_deposit_held_for_the_next_batch_waits_for_nothing_else(
         release.set()
         for lk in (held, unheld, direct):
             lk.close()
+
+
+def _age(lk, i: int, seconds: float) -> None:
+    """Make deferred offload ``i`` of ``lk`` as if made ``seconds`` earlier (a
+    negative value: later, however long the test thread was held up)."""
+    queue = lk.offloader.queue
+    queue._deferred[i] = dataclasses.replace(
+        queue._deferred[i], since=queue._deferred[i].since - seconds
+    )
+
+
+def test_an_idle_scheduler_lets_the_batch_output_go_before_the_deposit(
+    held_copy, monkeypatch
+):
+    """The batch's output is still on its way to the client (detokenizer,
+    tokenizer manager, HTTP) when the scheduler first goes idle, and a deposit
+    then (the owner and copier threads, the GIL, a core) would slow it: an idle
+    pass submits a deposit only once ``idle_offload_delay_us`` has passed since
+    its offload, in order, without blocking meanwhile; a later offload still
+    inside its delay stays held while an older one goes. An idle pass before
+    SGLang sleeps (``--sleep-on-idle``) submits at once."""
+    from sglang.srt.mem_cache.storage.kvcr.datapath import offload_queue
+
+    _, release = held_copy
+    release.set()  # copies run at once here: only submissions are counted
+    pool = make_pool()
+    fill_random(pool, [1, 2, 3], seed=33)
+    monkeypatch.setattr(offload_queue, "HOLD_MAX_S", 60.0)  # only the delay here
+    lk = make_linker(pool, idle_offload_delay_us=5000)
+    submitted = _count_submissions(lk)
+    try:
+        lk.batch_result_started()  # a and b, from one batch's result
+        _offload(lk, 2, "delay-a")
+        _offload(lk, 3, "delay-b")
+        lk.batch_done()
+        _age(lk, 0, -60.0)  # just made, whatever the test thread's pace
+        _age(lk, 1, -60.0)
+        lk.scheduler_idle()
+        assert submitted == []  # the output first
+        assert lk.offloader.queue.deferred_count == 2
+        _age(lk, 0, 60.0 + 0.005)  # a's delay has passed, b's has not
+        lk.scheduler_idle()
+        assert submitted == [1]  # a alone
+        assert lk.offloader.queue.deferred_count == 1
+        _age(lk, 0, 60.0 + 0.005)
+        lk.scheduler_idle()
+        assert submitted == [1, 1]
+        # SGLang's idle loop is about to sleep until a request comes
+        # (--sleep-on-idle): no later idle pass would submit it, so it goes now.
+        _batch_result(lk, 2, "delay-c")
+        _age(lk, 0, -60.0)
+        lk.scheduler_idle(sleeps=True)
+        assert submitted == [1, 1, 1]
+        for _ in range(3):
+            assert _next_result(lk) is True
+    finally:
+        release.set()
+        lk.close()
 
 
 def test_a_batch_result_inside_another_leaves_the_outer_one_open():

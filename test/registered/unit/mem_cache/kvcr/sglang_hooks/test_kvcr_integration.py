@@ -377,9 +377,11 @@ def _scheduler_of(linker: Any, **attrs: Any) -> Any:
 
 def test_an_idle_pass_asks_a_preparing_linker_first_and_only_when_fully_idle():
     """The ``on_idle`` hook: a preparing linker's ``scheduler_idle`` runs before
-    SGLang's idle work (and its ``--sleep-on-idle`` poll), only when nothing
-    waits in any queue; a linker without the hooks (Mooncake, mori) is never
-    asked, and SGLang's own idle work always runs."""
+    SGLang's idle work (and its ``--sleep-on-idle`` poll, which it is told
+    about), only when nothing waits in any queue; a linker without the hooks
+    (Mooncake, mori) is never asked, and SGLang's own idle work always runs."""
+    from types import SimpleNamespace
+
     from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
         PreparationHooks,
     )
@@ -389,22 +391,32 @@ def test_an_idle_pass_asks_a_preparing_linker_first_and_only_when_fully_idle():
     class Preparing(PreparationHooks):
         prepares_requests = True
 
-        def scheduler_idle(self) -> None:
-            calls.append("linker")
+        def scheduler_idle(self, sleeps: bool = False) -> None:
+            calls.append(f"linker sleeps={sleeps}")
 
     def sglang_on_idle(sched: Any) -> str:
         calls.append("sglang")
         return "idle"
 
-    for linker, fully_idle, want in (
-        (Preparing(), True, ["linker", "sglang"]),
-        (Preparing(), False, ["sglang"]),
-        (object(), True, ["sglang"]),
+    # A rank without the sleeper of a --sleep-on-idle server waits for the first
+    # rank's sleep in its receive: it sleeps too.
+    sleepy = SimpleNamespace(sleep_on_idle=True)
+    awake = SimpleNamespace(sleep_on_idle=False)
+    for linker, fully_idle, sleeper, args, want in (
+        (Preparing(), True, None, awake, ["linker sleeps=False", "sglang"]),
+        (Preparing(), True, object(), sleepy, ["linker sleeps=True", "sglang"]),
+        (Preparing(), True, None, sleepy, ["linker sleeps=True", "sglang"]),
+        (Preparing(), False, None, awake, ["sglang"]),
+        (object(), True, None, awake, ["sglang"]),
     ):
         calls.clear()
-        got = integration._around_on_idle(
-            sglang_on_idle, _scheduler_of(linker, is_fully_idle=lambda v=fully_idle: v)
+        scheduler = _scheduler_of(
+            linker,
+            is_fully_idle=lambda v=fully_idle: v,
+            idle_sleeper=sleeper,
+            server_args=args,
         )
+        got = integration._around_on_idle(sglang_on_idle, scheduler)
         assert (got, calls) == ("idle", want)
 
 

@@ -133,11 +133,24 @@ class KVCRLinkerConfig:
             "While the scheduler keeps running batches, a write-through's deposit "
             "waits for this many more batch results after the one that made the "
             "offload (at most 20 ms, checked each scheduler pass; an idle "
-            "scheduler submits it at once), so that its work, which shares "
-            "Python's GIL with the scheduler, does not lengthen the step right "
-            "after a prefill: that step's output gap already holds the prefill. "
+            "scheduler submits it after idle_offload_delay_us), so that its work, "
+            "which shares Python's GIL with the scheduler, does not lengthen the "
+            "step right after a prefill: that step's output gap already holds the "
+            "prefill. "
             "0: submit at the next scheduler pass. Direct path only (offload_path "
             "'staged' submits from its stager)."
+        ),
+    )
+    idle_offload_delay_us: int = dataclasses.field(
+        default=3000,
+        metadata=_doc(
+            "On an idle scheduler, how long after its offload a write-through's "
+            "deposit waits, so that its work (owner and copier threads, the GIL, "
+            "a core) does not overlap the batch's output on its way to the client. "
+            "The scheduler does not block; a request arriving holds the deposit "
+            "as a busy scheduler does. Not with --sleep-on-idle, the Rust server "
+            "or offload_hold_batches 0; at most 20 ms. 0: at the first idle pass. "
+            "Direct path only."
         ),
     )
     prepare_chunk_pages: int = dataclasses.field(
@@ -348,36 +361,31 @@ class KVCRLinkerConfig:
         return cls.from_dict(raw)
 
 
+_INT_RANGES: dict[str, tuple[int, int | None]] = {  # (minimum, maximum), in order
+    "local_dram_bytes_per_worker": (1, None),
+    "control_port": (0, 65535),
+    "operation_timeout_ms": (1, _MAX_MS),
+    "abandon_timeout_ms": (1, _MAX_MS),
+    "preparation_timeout_ms": (1, _MAX_MS),
+    "prepare_chunk_pages": (1, 1 << 20),
+    "local_hit_wait_ms": (0, 1000),
+    "offload_hold_batches": (0, 8),
+    "idle_offload_wait_us": (0, 20000),
+    "idle_offload_delay_us": (0, 20000),
+    "max_inflight_offload_bytes": (1, None),
+    "max_inflight_prepare_bytes": (1, None),
+    "max_abandoned_bytes": (1, None),
+    "max_claimed_bytes": (0, None),
+    "progress_idle_ms": (0, 1000),
+    "gil_switch_interval_us": (0, 5000),
+    "max_quarantined_cores": (0, 64),
+}
+
+
 def _check(cfg: KVCRLinkerConfig) -> None:
-    """Ranges and cross-field rules of ``cfg``; a bad value raises one line naming
-    the field and the fix."""
-    require_int(
-        "local_dram_bytes_per_worker",
-        cfg.local_dram_bytes_per_worker,
-        minimum=1,
-    )
-    require_int("control_port", cfg.control_port, minimum=0, maximum=65535)
-    for name in (
-        "operation_timeout_ms",
-        "abandon_timeout_ms",
-        "preparation_timeout_ms",
-    ):
-        require_int(name, getattr(cfg, name), minimum=1, maximum=_MAX_MS)
-    require_int(
-        "prepare_chunk_pages", cfg.prepare_chunk_pages, minimum=1, maximum=1 << 20
-    )
-    require_int("local_hit_wait_ms", cfg.local_hit_wait_ms, minimum=0, maximum=1000)
-    require_int("offload_hold_batches", cfg.offload_hold_batches, minimum=0, maximum=8)
-    require_int(
-        "idle_offload_wait_us", cfg.idle_offload_wait_us, minimum=0, maximum=20000
-    )
-    for name in (
-        "max_inflight_offload_bytes",
-        "max_inflight_prepare_bytes",
-        "max_abandoned_bytes",
-    ):
-        require_int(name, getattr(cfg, name), minimum=1)
-    require_int("max_claimed_bytes", cfg.max_claimed_bytes, minimum=0)
+    """Ranges and cross-field rules; a bad value raises one line naming it."""
+    for name, (low, high) in _INT_RANGES.items():
+        require_int(name, getattr(cfg, name), minimum=low, maximum=high)
     wait = cfg.owner_wait_timeout_s
     if isinstance(wait, bool) or not isinstance(wait, (int, float)):
         raise config_error("owner_wait_timeout_s", "must be a number of seconds")
@@ -386,10 +394,6 @@ def _check(cfg: KVCRLinkerConfig) -> None:
     for flag in ("nixl_progress_thread", "accept_request_hints"):
         if not isinstance(getattr(cfg, flag), bool):
             raise config_error(flag, "must be true or false")
-    require_int("progress_idle_ms", cfg.progress_idle_ms, minimum=0, maximum=1000)
-    require_int(
-        "gil_switch_interval_us", cfg.gil_switch_interval_us, minimum=0, maximum=5000
-    )
     if 0 < cfg.gil_switch_interval_us < 50:
         raise config_error(
             "gil_switch_interval_us",
@@ -404,9 +408,6 @@ def _check(cfg: KVCRLinkerConfig) -> None:
             f"{cfg.progress_idle_ms} is over a quarter of operation_timeout_ms="
             f"{cfg.operation_timeout_ms}; lower it (or raise the timeout)",
         )
-    require_int(
-        "max_quarantined_cores", cfg.max_quarantined_cores, minimum=0, maximum=64
-    )
     if cfg.offload_path not in _OFFLOAD_PATHS:
         raise config_error("offload_path", f"must be one of {list(_OFFLOAD_PATHS)}")
     if cfg.eviction_policy not in _EVICTION_POLICIES:

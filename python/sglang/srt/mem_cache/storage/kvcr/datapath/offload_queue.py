@@ -19,6 +19,7 @@ import collections
 import dataclasses
 import enum
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -107,11 +108,14 @@ class BatchHold:
     processed waits for that result to finish first), it runs during a later,
     ordinary step instead. No hold with ``hold_batches == 0``, without a
     scheduler reporting batches (``batches == 0``: the linker driven directly),
-    for what was deferred before the scheduler last went idle (``release``),
-    or past ``HOLD_MAX_S`` (checked at each pump, once a scheduler pass).
+    for what an idle scheduler released (``release``: what was offloaded at
+    least ``idle_delay_s`` ago, so that a deposit does not run while the batch's
+    output is still on its way to the client), or past ``HOLD_MAX_S`` (checked
+    at each pump, once a scheduler pass).
     """
 
     hold_batches: int = 1
+    idle_delay_s: float = 0.0
     batches: int = 0  # batch results the scheduler finished processing
     in_result: int = 0  # batch results being processed now (nested: depth)
     offloads: int = 0  # offloads stamped so far
@@ -129,9 +133,9 @@ class BatchHold:
         self.offloads += 1
         return self.offloads, self.batches + self.hold_batches + int(self.in_result > 0)
 
-    def release(self) -> None:
-        """The scheduler is idle: nothing deferred so far is held any more."""
-        self.released = self.offloads
+    def release(self, seq: int) -> None:
+        """The scheduler is idle: offloads up to stamp ``seq`` are not held."""
+        self.released = max(self.released, seq)
 
     def holds(self, deferred: DeferredOffload, now: float) -> bool:
         return (
@@ -146,12 +150,12 @@ class BatchHold:
 class OffloadQueue:
     """The FIFO of offload results and what each deposit in flight holds."""
 
-    def __init__(self, hold_batches: int = 1) -> None:
+    def __init__(self, hold_batches: int = 1, idle_delay_s: float = 0.0) -> None:
         self._fifo: collections.deque[OffloadRecord] = collections.deque()
         self._pending: dict[OpId, OffloadRecord] = {}  # deposit op -> its offload
         self._staged: dict[OpId, tuple[int, ...]] = {}  # deposit op -> staging slots
         self._deferred: list[DeferredOffload] = []
-        self.hold = BatchHold(hold_batches)
+        self.hold = BatchHold(hold_batches, idle_delay_s)
 
     def __len__(self) -> int:
         return len(self._fifo)
@@ -192,6 +196,19 @@ class OffloadQueue:
     def deferred_count(self) -> int:
         """Direct-path offloads still waiting for their fences."""
         return len(self._deferred)
+
+    def release_idle(self, now: float, immediate: bool = False) -> None:
+        """The scheduler is idle: release the holds of what was offloaded at
+        least ``idle_delay_s`` ago (later offloads stay held until a later idle
+        pass, the next batch or ``HOLD_MAX_S``), or of everything when
+        ``immediate``."""
+        cutoff = math.inf if immediate else now - self.hold.idle_delay_s
+        seq = self.hold.released
+        for deferred in self._deferred:  # in stamp order, ``since`` never falls
+            if deferred.since > cutoff:
+                break
+            seq = deferred.seq
+        self.hold.release(seq)
 
     def take_ready(self, now: float) -> list[DeferredOffload]:
         """The leading deferred offloads no longer held (``BatchHold``) whose

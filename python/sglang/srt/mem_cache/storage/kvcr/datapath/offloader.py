@@ -60,11 +60,12 @@ class Offloader:
         stats: LinkerStats,
         timeout_s: float,
         hold_batches: int = 1,
+        idle_delay_s: float = 0.0,
     ) -> None:
         self.layout = layout  # re-keyed by reset() after new weights
         self.page_size = page_size
         self.staging = staging
-        self.queue = OffloadQueue(hold_batches)
+        self.queue = OffloadQueue(hold_batches, idle_delay_s)
         self.stats = stats
         self._device = device
         self._timeout_s = timeout_s
@@ -214,15 +215,25 @@ class Offloader:
                 self.queue.untrack(deferred.record)
                 deferred.record.fail()
 
-    def settle(self, route: Callable[[float], object], budget_s: float) -> None:
+    def settle(
+        self,
+        route: Callable[[float], object],
+        budget_s: float,
+        immediate: bool = False,
+    ) -> None:
         """The scheduler is idle: while deposits are in flight, block in
         ``route(wait_s)`` (which routes their results) until none is, at most
         ``budget_s`` (``idle_offload_wait_us``). SGLang's idle loop otherwise
         spins holding the GIL, and the owner and copier threads would finish
         the offload during the next request's scheduling, not between requests.
         An error in ``route`` propagates as it does from every other pump (the
-        results it drained are not silently lost here)."""
-        self.queue.hold.release()  # idle: no later batch to run the deposits past
+        results it drained are not silently lost here). Deferred deposits go
+        once ``idle_offload_delay_us`` has passed since their offload, or all of
+        them when ``immediate`` (SGLang's idle loop is about to sleep until a request
+        comes: a later idle pass would not run before it)."""
+        # Idle: no later batch to run the deposits past; once the batch's output
+        # has had its head start (idle_offload_delay_us) they go now.
+        self.queue.release_idle(time.monotonic(), immediate=immediate)
         if self.queue.has_deferred:
             route(0.0)  # submits them now (before this pass blocks, if it does)
         if budget_s <= 0 or not self.queue.deposits_in_flight:

@@ -387,7 +387,13 @@ def _around_on_idle(
     poll, which returns with a request already there to serve."""
     backend = preparing_linker_of(getattr(scheduler, "tree_cache", None))
     if backend is not None and scheduler.is_fully_idle():
-        linker_hook(backend, "scheduler_idle")()
+        from sglang.srt.environ import envs
+
+        # Whether the idle loop blocks for requests (up to 1 s, on the first rank;
+        # the others wait for it): --sleep-on-idle or the Rust server.
+        sargs = getattr(scheduler, "server_args", None)
+        sleeps = getattr(sargs, "sleep_on_idle", False) or envs.SGLANG_RUST_SERVER.get()
+        linker_hook(backend, "scheduler_idle")(sleeps=bool(sleeps))
     return original(scheduler, *args, **kw)
 
 

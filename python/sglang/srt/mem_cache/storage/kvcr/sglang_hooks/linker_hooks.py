@@ -81,10 +81,12 @@ class PreparationHooks:
         """Page hashes whose external copy was evicted since the last call."""
         return []
 
-    def scheduler_idle(self) -> None:
+    def scheduler_idle(self, sleeps: bool = False) -> None:
         """The scheduler is fully idle (no batch, nothing waiting), before
         SGLang's idle work: the linker may block here briefly, bounded, for its
-        own background work."""
+        own background work. ``sleeps``: the server's idle loop then blocks until a
+        request comes or up to 1 s (``--sleep-on-idle``, the Rust server), so a
+        later idle pass may be that far off; the same on every rank."""
 
     def batch_result_started(self) -> None:
         """The scheduler starts processing a batch's result (its write-through
