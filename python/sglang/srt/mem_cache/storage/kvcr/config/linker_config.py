@@ -229,10 +229,10 @@ class KVCRLinkerConfig:
         default=20,
         metadata=_doc(
             "Longest an idle KVCR progress loop sleeps (kvcr itself wakes every 1 ms, "
-            "taking the GIL next to the forward). This worker's own operations wake "
-            "it at once; a peer's first request to a worker idle for 50 ms may wait "
-            "this long. 0 keeps kvcr's 1 ms loop. At most a quarter of "
-            "operation_timeout_ms (kvcr stops serving peers after a longer gap)."
+            "taking the GIL next to the forward). This worker's own operations and "
+            "a peer's control message wake it at once. 0 keeps kvcr's 1 ms loop. At "
+            "most a quarter of operation_timeout_ms (kvcr stops serving peers after "
+            "a longer gap)."
         ),
     )
     gil_switch_interval_us: int = dataclasses.field(
