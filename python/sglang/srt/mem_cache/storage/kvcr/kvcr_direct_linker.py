@@ -221,9 +221,9 @@ class KVCRDirectLinker(
             self._adapter.next_op_id,
         )
         if commands:  # a failed KVCR's adapter answers them itself
-            self.session.submit(commands)
-            self._pump(deposits=False)
+            self.session.submit(commands)  # then block: the owner takes the GIL
             self._await_local_claims(ctx.rid)
+            self._pump(deposits=False)
         return ctx.handle
 
     def tail_may_hit(self, rid: str, first_page_hash: str) -> bool:

@@ -440,3 +440,101 @@ def test_a_call_and_a_close_see_every_release_before_them(buffers):
         assert adapter.stats().claims_released == 4
     finally:
         adapter.close()
+
+
+def test_a_fetch_answered_in_its_call_leaves_kvcrs_progress_loop_asleep(
+    buffers, monkeypatch
+):
+    """A fetch of pages resident here is answered inside kvcr's fetch call: the
+    owner thread neither wakes KVCR's progress loop after running it nor after
+    handing its answer back (the wake-up's Python would compete with the
+    scheduler for the GIL). A hinted fetch still wakes it (peer work)."""
+    from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_patches
+
+    fw, store = buffers
+    adapter = _make(fw, store, "adapter-nowake")
+    try:
+        claims = _deposit_and_claim(adapter, "adapter-nowake", range(3))
+        _release_all_after(adapter, claims, 0)
+        wakes: list[str] = []
+        real_wake = kvcr_patches.wake
+        monkeypatch.setattr(
+            kvcr_patches, "wake", lambda: (wakes.append("wake"), real_wake())
+        )
+
+        def fetch(hint):
+            op = adapter.next_op_id()
+            adapter.submit(
+                Fetch(
+                    op_id=op,
+                    keys=(_key(0), _key(1), _key(9)),  # 9 was never deposited
+                    request_id=f"nowake-{op}",
+                    expected_layout=("kv:page",),
+                    nbytes=0,
+                    hint=hint,
+                )
+            )
+            return _wait_for(adapter, op).entries
+
+        entries = fetch(None)
+        assert [e.status for e in entries.values()] == [
+            EntryStatus.SUCCESS,
+            EntryStatus.SUCCESS,
+            EntryStatus.FAILED,
+        ]
+        assert wakes == []
+        _release_all_after(adapter, [e.claim for e in entries.values() if e.claim], 3)
+        wakes.clear()
+        entries = fetch({"not": "a kv.fetch@1.0 hint"})  # kvcr refuses it; still woken
+        assert wakes, "a hinted fetch may have started peer work"
+        _release_all_after(adapter, [e.claim for e in entries.values() if e.claim], 5)
+    finally:
+        adapter.close()
+
+
+def test_background_releases_let_a_queued_fetch_run_between_chunks(
+    buffers, monkeypatch
+):
+    """Deferred claims go back a chunk at a time once their window ends; a fetch
+    queued meanwhile runs after the chunk in progress, not after all of them,
+    and the rest are still released."""
+    from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_executor
+
+    monkeypatch.setattr(kvcr_executor, "RELEASE_CHUNK", 2)
+    fw, store = buffers
+    adapter = _make(fw, store, "adapter-chunks")
+    order: list[str] = []
+    try:
+        claims = _deposit_and_claim(adapter, "adapter-chunks", range(6))
+        kv = adapter.call(lambda kv: kv)
+        op = adapter.next_op_id()
+        fetch = Fetch(
+            op_id=op,
+            keys=(_key(7),),
+            request_id="between-chunks",
+            expected_layout=("kv:page",),
+            nbytes=0,
+        )
+        real_release, real_fetch = kv.release, kv.fetch
+
+        def release(handles):
+            order.append(f"release:{len(handles)}")
+            if len(order) == 1:
+                adapter.submit(fetch)  # queued while the first chunk runs
+            return real_release(handles)
+
+        def fetch_spy(*a, **k):
+            order.append("fetch")
+            return real_fetch(*a, **k)
+
+        kv.release, kv.fetch = release, fetch_spy
+        adapter.submit(Release(tuple(claims)))
+        _wait_for(adapter, op)
+        wait_until(
+            lambda: adapter.stats().claims_released >= len(claims),
+            timeout=5,
+            what="every chunk released",
+        )
+        assert order == ["release:2", "fetch", "release:2", "release:2"], order
+    finally:
+        adapter.close()

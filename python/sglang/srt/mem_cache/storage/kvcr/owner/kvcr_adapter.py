@@ -335,9 +335,9 @@ class KVCRAdapter:
             batch = self._inbox.take(owner.poll_period(), _MAX_COMMANDS_PER_TURN)
             idle = not batch
             running = owner.run_batch(batch, _STOP)
-            # A fetch is answered before deferred releases run (all when stopping).
+            # Fetches answered first; then releases (a chunk a turn while busy).
             owner.poll()
-            owner.flush_releases(idle or not running)
+            owner.flush_releases(not running or idle, running and self._inbox.queued)
             if not running:
                 return
 

@@ -58,6 +58,8 @@ DEPOSIT_POLL_S = 0.002  # only offloads in flight: background, no one waits on t
 # While idle it still polls (KVCR runs pin callbacks and inventory events inside
 # poll_completed); commands wake it at once.
 IDLE_POLL_S = 0.05
+# Claims per kvcr release call when releasing in the background (~0.1 ms).
+RELEASE_CHUNK = 16
 # Longest a Release waits behind fetches: releasing 50 claims costs kvcr ~0.3 ms
 # of Python that a local-hit fetch queued behind it would wait out.
 RELEASE_DEFER_S = 0.001
@@ -67,6 +69,7 @@ class CommandExecutor:
     """Executes commands on one KVCR from the owner thread; see the module doc."""
 
     __slots__ = (
+        "_answered",
         "_kvcr",
         "_peer_checks",
         "_pins",
@@ -102,6 +105,8 @@ class CommandExecutor:
         # KVCR handle -> the deposit or fetch it runs (its id, budget and keys:
         # what a completion reports, or what a FAILED answer needs).
         self.inflight: dict[int, Deposit | Fetch] = {}
+        # Fetches kvcr answered within the call (no progress-loop work follows).
+        self._answered: set[int] = set()
         # Deposits being copied into their slots (page_fills), in order.
         self.fills: list[tuple[page_fills.PageFill, Deposit]] = []
         # Copies of a deposit whose begin raised (answered with the batch).
@@ -134,18 +139,32 @@ class CommandExecutor:
             period = min(period, max(0.0, left))
         return period
 
-    def flush_releases(self, idle: bool = True) -> None:
+    def flush_releases(
+        self, idle: bool = True, yield_to: Callable[[], object] | bool = False
+    ) -> None:
         """Release the deferred claims: at once when ``idle`` (the inbox gave
         nothing for the rest of the window, the thread stops, or work that may
         need their slots is next), else only once the oldest waited
-        ``RELEASE_DEFER_S``."""
+        ``RELEASE_DEFER_S``. With a ``yield_to`` (background releases) they go
+        ``RELEASE_CHUNK`` at a time, the GIL offered between chunks, and the
+        rest waits for the loop's next turn once ``yield_to()`` says a command
+        is queued: a fetch then runs behind one chunk, not all of them."""
         if not self._releases:
             return
         if not idle and time.monotonic() < self._releases_since + RELEASE_DEFER_S:
             return
-        claims, self._releases = self._releases, []
-        results = self._kvcr.release(claims)
-        self._count("claims_released", sum(1 for _, ok in results if ok))
+        released = 0
+        while self._releases:
+            cut = RELEASE_CHUNK if callable(yield_to) else len(self._releases)
+            claims, self._releases = self._releases[:cut], self._releases[cut:]
+            results = self._kvcr.release(claims)
+            released += sum(1 for _, ok in results if ok)
+            if not callable(yield_to) or not self._releases:
+                continue
+            time.sleep(0)  # a scheduler thread waiting for the GIL takes it
+            if yield_to():
+                break
+        self._count("claims_released", released)
         kvcr_patches.wake()  # freed slots may resume kvcr's capacity waiters
 
     def run_batch(self, batch: collections.deque[object], stop: object) -> bool:
@@ -163,15 +182,17 @@ class CommandExecutor:
                 # Slots a deposit or a peer fetch reserves may need these claims
                 # gone; a call sees KVCR as every command before it left it.
                 self.flush_releases()
-            self._execute(command)
+            settled = self._execute(command)
             batch.popleft()
-            if not isinstance(command, (Deposit, Release)):
-                # KVCR may have new work: its progress loop polls. (A deposit's
-                # copy is the copier's; a release is deferred.)
+            if not settled:
+                # KVCR may have new work: its progress loop polls.
                 kvcr_patches.wake()
         return True
 
-    def _execute(self, command: object) -> None:
+    def _execute(self, command: object) -> bool:
+        """Run ``command``; whether it left KVCR's progress loop nothing to do (a
+        deposit's copy is the copier's, a release is deferred, a fetch of pages
+        resident here is answered in the call)."""
         kv = self._kvcr
         if isinstance(command, Deposit):
             fill = page_fills.new_fill(kv)
@@ -184,7 +205,8 @@ class CommandExecutor:
                 raise
             self.fills.append((fill, command))
             self._count("deposits", 1)
-        elif isinstance(command, Fetch):
+            return True
+        if isinstance(command, Fetch):
             if command.hint is not None:
                 try:
                     kv.submit_hint(dict(command.hint), command.request_id)
@@ -199,18 +221,26 @@ class CommandExecutor:
             )
             self.inflight[handle] = command
             self._count("fetches", 1)
-        elif isinstance(command, Release):
+            # A hint may have started peer work of its own.
+            if command.hint is None and kvcr_patches.fetch_answered(kv, handle):
+                self._answered.add(handle)
+                return True
+            return False
+        if isinstance(command, Release):
             if not self._releases:
                 self._releases_since = time.monotonic()
             self._releases.extend(command.claims)
-        elif isinstance(command, DiscardHint):
+            return True
+        if isinstance(command, DiscardHint):
             kv.discard_hint(command.request_id)
-        elif isinstance(command, Call):
-            if command.future.set_running_or_notify_cancel():
-                try:
-                    command.future.set_result(command.fn(kv))
-                except BaseException as exc:
-                    command.future.set_exception(exc)
+        elif (
+            isinstance(command, Call) and command.future.set_running_or_notify_cancel()
+        ):
+            try:
+                command.future.set_result(command.fn(kv))
+            except BaseException as exc:
+                command.future.set_exception(exc)
+        return False
 
     def settle_fills(self, timeout_s: float) -> list[Any]:
         """Closing: drop deposit copies not started, wait up to ``timeout_s`` for
@@ -245,6 +275,7 @@ class CommandExecutor:
         """KVCR is gone: every operation it still ran completes FAILED, with its
         keys, and gives its budget back."""
         ops, self.inflight = self.inflight, {}
+        self._answered.clear()
         answer_unrun(ops.values(), self._results, self._uncharge, "")
 
     def _count(self, field: str, n: int) -> None:
@@ -260,11 +291,16 @@ class CommandExecutor:
         completed = self._kvcr.poll_completed()
         if completed and self.fills:
             self._poll_fills()  # a fill a deposit waits on may have just ended
-        if completed or self._pins.requests != pins:
-            # Follow-up work (a declined pin's answer, the next step of an
-            # exchange) may now sit in KVCR's progress queue: do not let it wait
-            # out an idle period there.
-            kvcr_patches.wake()
+        # Follow-up work (a declined pin's answer, the next step of an exchange)
+        # may now sit in KVCR's progress queue: do not let it wait out an idle
+        # period there. A fetch answered within its call has none; the loop is
+        # woken after the results are out, not competing with their delivery.
+        follow_up = self._pins.requests != pins
+        for handle, _ in completed:
+            if handle in self._answered:
+                self._answered.discard(handle)
+            else:
+                follow_up = True
         for handle, entries in completed:
             op = self.inflight.get(handle)
             if op is None:
@@ -277,6 +313,8 @@ class CommandExecutor:
             self._uncharge(budget_of(op), op.nbytes)
             kind = OpKind.DEPOSIT if isinstance(op, Deposit) else OpKind.FETCH
             self._results.put(OpDone(op.op_id, kind, done))
+        if follow_up:
+            kvcr_patches.wake()
         self._publish_peer_checks()
 
     def _poll_fills(self) -> int:

@@ -16,6 +16,8 @@ for SGLang's).
   see control_auth): a subclass that swaps kvcr's unchecked PULL socket for one
   guarded by a ZAP handler, and dials peers with the guard's options, keeping
   at most ``outgoing_sockets.MAX_OUTGOING`` outgoing sockets.
+- Whether kvcr answered a fetch within the call (``fetch_answered``: pages
+  resident here), so its progress loop need not be woken for it.
 - Whether a KVCR whose close failed has since become quiescent
   (``core_is_quiescent``: kvcr exposes it on its core only), and how many
   residency claims a KVCR holds (``public_claims``, for shutdown checks).
@@ -122,6 +124,16 @@ def needs_restart(exc: BaseException) -> bool:
 def public_claims(kv: Any) -> int:
     """Residency claims ``kv`` holds for its framework."""
     return len(kv._core._local_dram._public_claims)
+
+
+def fetch_answered(kv: Any, handle: Any) -> bool:
+    """Whether ``kv`` answered fetch ``handle`` within the call (every page
+    claimed here or failed: kvcr's progress loop has nothing of it to run). An
+    unknown shape of kvcr's state says no (the loop is woken as for any fetch)."""
+    pending = getattr(
+        getattr(kv._core, "_local_dram", None), "_pending_residency_ops", None
+    )
+    return isinstance(pending, dict) and ("fetch", handle) not in pending
 
 
 def unresolved_operations(kv: Any) -> int:
