@@ -78,6 +78,24 @@ def test_idle_iteration_waits_until_woken(paced):
     _stop(step, state)
 
 
+def test_work_kvcr_queues_for_the_loop_ends_its_wait(paced):
+    """kvcr's owner thread queues progress work itself (a source write resumed
+    in ``poll_completed``): the wrapped ``submit`` wakes that loop."""
+    step, _ = paced
+    state = _loop_state()
+    queued: list[object] = []
+    submit = idle_wait._waking(lambda loop, item: queued.append(item))
+    runner, out = _run(step, state)
+    runner.join(0.2)
+    assert runner.is_alive()
+    submit(state, "source write")
+    runner.join(DEADLINE_S)
+    assert not runner.is_alive() and out == [True] and queued == ["source write"]
+    _stop(step, state)
+    submit(state, "after stop")  # a loop without a descriptor: nothing written
+    assert queued == ["source write", "after stop"]
+
+
 def test_a_peer_message_on_the_control_socket_ends_the_wait(paced):
     """No wake: only a peer's message arrives, and the loop polls at once."""
     step, _ = paced
@@ -122,6 +140,7 @@ def test_a_wake_during_the_iteration_is_not_lost(paced):
         {"_completed_backlog": [object()]},
         {"_stop_requested": True},
         {"_active_transfers": {1: object()}},
+        {"_kvcr_pacer_active": float("inf")},  # worked within RECENT_S
         # A control channel without a socket to wait on: kvcr's own pace.
         {"_poll": _Backend(SimpleNamespace(_socket=None)).poll_progress},
     ],
@@ -191,6 +210,7 @@ def test_a_real_kvcr_loop_waits_on_its_guarded_control_socket():
         assert isinstance(sock, zmq.Socket) and not sock.closed
         assert sock.type == zmq.PULL
         assert sock.getsockopt(zmq.MAXMSGSIZE) > 0  # the guarded socket
+        assert hasattr(type(progress).submit, "__wrapped__")  # submits wake it
     finally:
         lk.close()
     assert fd not in idle_wait._WAKE_FDS

@@ -289,13 +289,14 @@ class CommandExecutor:
             kvcr_patches.wake()
         pins = self._pins.requests
         completed = self._kvcr.poll_completed()
-        if completed and self.fills:
-            self._poll_fills()  # a fill a deposit waits on may have just ended
+        # A fill a deposit waits on may have just ended (and resumed kvcr's
+        # capacity waiters: progress-loop work).
+        refilled = bool(completed and self.fills and self._poll_fills())
         # Follow-up work (a declined pin's answer, the next step of an exchange)
         # may now sit in KVCR's progress queue: do not let it wait out an idle
         # period there. A fetch answered within its call has none; the loop is
         # woken after the results are out, not competing with their delivery.
-        follow_up = self._pins.requests != pins
+        follow_up = refilled or self._pins.requests != pins
         for handle, _ in completed:
             if handle in self._answered:
                 self._answered.discard(handle)

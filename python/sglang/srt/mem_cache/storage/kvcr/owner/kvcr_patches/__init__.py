@@ -130,9 +130,8 @@ def fetch_answered(kv: Any, handle: Any) -> bool:
     """Whether ``kv`` answered fetch ``handle`` within the call (every page
     claimed here or failed: kvcr's progress loop has nothing of it to run). An
     unknown shape of kvcr's state says no (the loop is woken as for any fetch)."""
-    pending = getattr(
-        getattr(kv._core, "_local_dram", None), "_pending_residency_ops", None
-    )
+    local = getattr(getattr(kv, "_core", None), "_local_dram", None)
+    pending = getattr(local, "_pending_residency_ops", None)
     return isinstance(pending, dict) and ("fetch", handle) not in pending
 
 

@@ -3,14 +3,18 @@
 kvcr's loop wakes every millisecond while idle and runs Python each time, so an
 idle worker takes the GIL a thousand times a second next to the model's forward.
 Once installed (``configure`` with ``progress_idle_ms > 0``), an idle iteration
-(no submissions, operations, transfers or results) blocks instead, up to
-``progress_idle_ms``, on the only two ways work reaches an idle KVCR: its own
-control channel's PULL socket (a peer's message) and this loop's wake descriptor
-(``wake``: the adapter handed KVCR a command). Neither this worker's operations
+(no submissions, operations, transfers or results, and no work for ``RECENT_S``)
+blocks instead, up to ``progress_idle_ms``, on what hands an idle KVCR work: its
+control channel's PULL socket (a peer's message) and this loop's wake descriptor,
+written by every ``_KVCRProgress.submit`` (work kvcr queues for the loop from
+another thread, its owner thread's ``poll_completed`` among them) and by
+``wake`` (the adapter handed KVCR a command). Neither this worker's operations
 nor a peer's first message wait out the idle period; what kvcr does on timers
 alone (deadlines) runs at least once per period, which the config keeps at a
-quarter of ``operation_timeout_ms`` or less. While anything is in flight the
-loop keeps kvcr's own 1 ms pace: NIXL notices and transfer states are polled,
+quarter of ``operation_timeout_ms`` or less. While anything is in flight, and for
+``RECENT_S`` after any work (a notice NIXL sent may still need the worker
+progressed when its progress thread is off; a fresh endpoint may be wiring up),
+the loop keeps kvcr's own 1 ms pace: NIXL notices and transfer states are polled,
 not signalled. A KVCR whose control channel has no socket this module can wait
 on keeps kvcr's 1 ms pace throughout, rather than miss a peer.
 """
@@ -21,10 +25,13 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
+# After any work the loop keeps kvcr's 1 ms pace this long before it blocks.
+RECENT_S = 0.005
 _LOCK = threading.Lock()  # configure() and the descriptor set
 _idle_s = 0.0
 _installed = False
@@ -45,7 +52,8 @@ def configure(idle_ms: int) -> None:
 
         cls = getattr(progress, "_KVCRProgress", None)
         original = getattr(cls, "_run_one_iteration", None)
-        if cls is None or original is None:
+        submit = getattr(cls, "submit", None)
+        if cls is None or original is None or submit is None:
             logger.warning(
                 "kvcr has no progress loop to pace (not kvcr 0.1.1?); "
                 "progress_idle_ms has no effect"
@@ -53,6 +61,7 @@ def configure(idle_ms: int) -> None:
             return
 
         cls._run_one_iteration = _paced(original)
+        cls.submit = _waking(submit)
         _installed = True
 
 
@@ -63,6 +72,23 @@ def wake() -> None:
             # A full counter (BlockingIOError) is a loop already woken.
             with contextlib.suppress(BlockingIOError):
                 os.eventfd_write(fd, 1)
+
+
+def _waking(submit: Any) -> Any:
+    """``submit`` (queue work for a progress loop) that wakes that loop."""
+
+    def waking_submit(self: Any, item: object) -> None:
+        submit(self, item)
+        fd = getattr(self, "_kvcr_wake_fd", None)
+        if fd is None:
+            return  # not waiting yet (it polls before its first wait)
+        with _LOCK:
+            if fd in _WAKE_FDS:  # still a paced loop's descriptor
+                with contextlib.suppress(BlockingIOError):
+                    os.eventfd_write(fd, 1)
+
+    waking_submit.__wrapped__ = submit  # type: ignore[attr-defined]
+    return waking_submit
 
 
 def _busy(loop: Any) -> bool:
@@ -86,11 +112,14 @@ def _paced(original: Any) -> Any:
         except BaseException:  # kvcr's loop ends with its failure
             _forget(self)
             raise
-        idle = _idle_s
+        idle, now = _idle_s, time.monotonic()
         if getattr(self, "_stop_requested", False):
             _forget(self)  # the loop's last iteration
         if did or idle <= 0 or fd is None or _busy(self):
+            self._kvcr_pacer_active = now
             return bool(did)
+        if now - getattr(self, "_kvcr_pacer_active", 0.0) < RECENT_S:
+            return False  # just worked: kvcr's 1 ms for a few more polls
         sources = _peer_socket(self)
         if sources is None:
             return False  # nothing to wait on for peers: kvcr's 1 ms
