@@ -333,11 +333,11 @@ class KVCRAdapter:
         owner = self._owner()
         while True:
             batch = self._inbox.take(owner.poll_period(), _MAX_COMMANDS_PER_TURN)
-            idle = not batch
-            running = owner.run_batch(batch, _STOP)
-            # Fetches answered first; then releases (a chunk a turn while busy).
-            owner.poll()
-            owner.flush_releases(not running or idle, running and self._inbox.queued)
+            idle, running = not batch, owner.run_batch(batch, _STOP)  # pops batch
+            owner.poll()  # fetches answered first, then releases
+            owner.flush_releases(
+                idle or not running, self._inbox.queued if running else None
+            )
             if not running:
                 return
 

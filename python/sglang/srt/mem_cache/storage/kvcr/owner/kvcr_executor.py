@@ -140,12 +140,12 @@ class CommandExecutor:
         return period
 
     def flush_releases(
-        self, idle: bool = True, yield_to: Callable[[], object] | bool = False
+        self, idle: bool = True, yield_to: Callable[[], object] | None = None
     ) -> None:
         """Release the deferred claims: at once when ``idle`` (the inbox gave
         nothing for the rest of the window, the thread stops, or work that may
         need their slots is next), else only once the oldest waited
-        ``RELEASE_DEFER_S``. With a ``yield_to`` (background releases) they go
+        ``RELEASE_DEFER_S``. With ``yield_to`` (background releases) they go
         ``RELEASE_CHUNK`` at a time, the GIL offered between chunks, and the
         rest waits for the loop's next turn once ``yield_to()`` says a command
         is queued: a fetch then runs behind one chunk, not all of them."""
@@ -155,11 +155,11 @@ class CommandExecutor:
             return
         released = 0
         while self._releases:
-            cut = RELEASE_CHUNK if callable(yield_to) else len(self._releases)
+            cut = len(self._releases) if yield_to is None else RELEASE_CHUNK
             claims, self._releases = self._releases[:cut], self._releases[cut:]
             results = self._kvcr.release(claims)
             released += sum(1 for _, ok in results if ok)
-            if not callable(yield_to) or not self._releases:
+            if yield_to is None or not self._releases:
                 continue
             time.sleep(0)  # a scheduler thread waiting for the GIL takes it
             if yield_to():
@@ -297,12 +297,11 @@ class CommandExecutor:
         # period there. A fetch answered within its call has none; the loop is
         # woken after the results are out, not competing with their delivery.
         follow_up = refilled or self._pins.requests != pins
-        for handle, _ in completed:
+        for handle, entries in completed:
             if handle in self._answered:
                 self._answered.discard(handle)
             else:
                 follow_up = True
-        for handle, entries in completed:
             op = self.inflight.get(handle)
             if op is None:
                 logger.warning("KVCR completed an unknown operation %s", handle)

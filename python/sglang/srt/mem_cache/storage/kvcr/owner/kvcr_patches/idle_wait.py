@@ -69,9 +69,13 @@ def wake() -> None:
     """Work was handed to KVCR: every paced progress loop polls now."""
     with _LOCK:
         for fd in _WAKE_FDS:
-            # A full counter (BlockingIOError) is a loop already woken.
-            with contextlib.suppress(BlockingIOError):
-                os.eventfd_write(fd, 1)
+            _write(fd)
+
+
+def _write(fd: int) -> None:
+    """Wake the loop of ``fd`` (under ``_LOCK``, ``fd`` still in ``_WAKE_FDS``)."""
+    with contextlib.suppress(BlockingIOError):  # a full counter: already woken
+        os.eventfd_write(fd, 1)
 
 
 def _waking(submit: Any) -> Any:
@@ -84,8 +88,7 @@ def _waking(submit: Any) -> Any:
             return  # not waiting yet (it polls before its first wait)
         with _LOCK:
             if fd in _WAKE_FDS:  # still a paced loop's descriptor
-                with contextlib.suppress(BlockingIOError):
-                    os.eventfd_write(fd, 1)
+                _write(fd)
 
     waking_submit.__wrapped__ = submit  # type: ignore[attr-defined]
     return waking_submit
