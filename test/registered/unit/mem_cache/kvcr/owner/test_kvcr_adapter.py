@@ -164,6 +164,13 @@ def test_every_kvcr_call_runs_on_the_owner_thread(buffers):
             return allocate(*a, **k)
 
         local._allocate_slots = spy_allocate
+        claim_one = local._new_public_claim  # a fetch of pages resident here
+
+        def spy_claim(*a, **k):
+            calls.append(("_new_public_claim", threading.current_thread().name))
+            return claim_one(*a, **k)
+
+        local._new_public_claim = spy_claim
         op = adapter.next_op_id()
         adapter.submit(
             Deposit(op_id=op, blocks={_key(1): _ref("adapter-thread", 1)}, nbytes=BLOCK)
@@ -182,10 +189,23 @@ def test_every_kvcr_call_runs_on_the_owner_thread(buffers):
         )
         entry = _wait_for(adapter, op).entries[_key(1)]
         assert entry.status is EntryStatus.SUCCESS and entry.claim is not None
-        _release_all(adapter, [entry.claim])
+        op = adapter.next_op_id()  # a page not resident: kvcr's own fetch
+        adapter.submit(
+            Fetch(
+                op_id=op,
+                keys=(_key(1), _key(2)),
+                request_id="thread",
+                expected_layout=("kv:page",),
+                nbytes=2 * BLOCK,
+            )
+        )
+        entries = _wait_for(adapter, op).entries
+        assert entries[_key(2)].status is EntryStatus.FAILED
+        _release_all(adapter, [entry.claim, entries[_key(1)].claim])
     finally:
         adapter.close()
-    assert {name for name, _ in calls} == {*SPIED, "_allocate_slots"}, calls
+    want = {*SPIED, "_allocate_slots", "_new_public_claim"}
+    assert {name for name, _ in calls} == want, calls
     assert {thread for _, thread in calls} == {adapter.owner_thread.name}, calls
     assert threading.current_thread().name != adapter.owner_thread.name
 
@@ -332,16 +352,32 @@ def _stalled(adapter: KVCRAdapter) -> threading.Event:
     return go
 
 
-def test_a_fetch_queued_behind_a_release_runs_first(buffers):
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "kvcr-fetch"])
+def test_a_fetch_queued_behind_a_release_runs_first(buffers, monkeypatch, one_pass):
     """A preparation's fetch does not wait out the release of earlier claims
     queued before it (kvcr's per-claim Python): it runs and is answered first;
-    the claims are still released within the deferral."""
+    the claims are still released within the deferral. Pages resident here are
+    claimed in one pass (answered in the same call); with that off, through
+    kvcr's fetch and poll."""
+    from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import local_claims
+
+    monkeypatch.setattr(local_claims, "ENABLED", one_pass)
     fw, store = buffers
     adapter = _make(fw, store, "adapter-defer")
     order: list[str] = []
     try:
         claims = _deposit_and_claim(adapter, "adapter-defer", range(3))
         kv = adapter.call(lambda kv: kv)
+        local = kv._core._local_dram
+        claim_one = local._new_public_claim
+
+        def claim_spy(*a, **k):
+            if one_pass and "fetch" not in order:
+                order.append("fetch")
+                time.sleep(2 * RELEASE_DEFER_S)  # outlasts the deferral
+            return claim_one(*a, **k)
+
+        local._new_public_claim = claim_spy
         for name in ("fetch", "release", "poll_completed"):
             original = getattr(kv, name)
 
@@ -376,7 +412,9 @@ def test_a_fetch_queued_behind_a_release_runs_first(buffers):
             timeout=5,
             what="deferred claims released",
         )
-        assert order == ["fetch", "answered", "release"], order
+        # One pass answers within the call: no kvcr completion to poll.
+        want = ["fetch", "release"] if one_pass else ["fetch", "answered", "release"]
+        assert order == want, order
         _release_all_after(adapter, [e.claim for e in entries.values()], len(claims))
     finally:
         adapter.close()
@@ -488,6 +526,69 @@ def test_a_fetch_answered_in_its_call_leaves_kvcrs_progress_loop_asleep(
         entries = fetch({"not": "a kv.fetch@1.0 hint"})  # kvcr refuses it; still woken
         assert wakes, "a hinted fetch may have started peer work"
         _release_all_after(adapter, [e.claim for e in entries.values() if e.claim], 5)
+    finally:
+        adapter.close()
+
+
+def test_deferred_releases_wait_out_the_window_after_a_fetch(buffers, monkeypatch):
+    """Claims given back just before a fetch are released a whole deferral
+    window after that fetch (the scheduler is still taking its answer), not when
+    their own window ends; and never later than the longest deferral."""
+    from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_executor
+
+    # Long enough that the VM's own delays cannot blur the order, shorter than
+    # the idle poll (an idle turn releases whatever is deferred).
+    window = 0.04
+    assert window < kvcr_executor.IDLE_POLL_S
+    monkeypatch.setattr(kvcr_executor, "RELEASE_DEFER_S", window)
+    monkeypatch.setattr(kvcr_executor, "RELEASE_DEFER_MAX_S", 10 * window)
+    fw, store = buffers
+    adapter = _make(fw, store, "adapter-window")
+    try:
+        claims = _deposit_and_claim(adapter, "adapter-window", range(2))
+        kv = adapter.call(lambda kv: kv)
+        released: list[float] = []
+        real_release = kv.release
+
+        def release(handles):
+            released.append(time.monotonic())
+            return real_release(handles)
+
+        kv.release = release
+        adapter.submit(Release(tuple(claims[:1])))
+        time.sleep(window / 2)
+        op = adapter.next_op_id()
+        adapter.submit(
+            Fetch(
+                op_id=op,
+                keys=(_key(0),),
+                request_id="window",
+                expected_layout=("kv:page",),
+                nbytes=0,
+            )
+        )
+        fetched = time.monotonic()
+        entry = _wait_for(adapter, op).entries[_key(0)]
+        assert entry.claim is not None
+        wait_until(lambda: released, timeout=5, what="deferred claims released")
+        assert released[0] - fetched >= window * 0.9, released[0] - fetched
+        # The longest deferral bounds it under back-to-back fetches.
+        monkeypatch.setattr(kvcr_executor, "RELEASE_DEFER_MAX_S", window / 2)
+        adapter.submit(Release((entry.claim, *claims[1:])))
+        since = time.monotonic()
+        for i in range(12):  # a fetch every window / 8 keeps pushing it back
+            adapter.submit(
+                Fetch(
+                    op_id=adapter.next_op_id(),
+                    keys=(_key(1),),
+                    request_id=f"window-{i}",
+                    expected_layout=("kv:page",),
+                    nbytes=0,
+                )
+            )
+            time.sleep(window / 8)
+        wait_until(lambda: len(released) > 1, timeout=5, what="bounded deferral")
+        assert released[1] - since < window, released[1] - since
     finally:
         adapter.close()
 

@@ -162,4 +162,6 @@ class PoolLayout:
 def block_part_rows(slot: int, parts: int) -> tuple[int, ...]:
     """Rows of one span's page size (a pool's KVCR DRAM viewed as span rows)
     holding the ``parts`` spans of the block in ``slot``, in span order."""
+    if parts == 1:
+        return (slot,)
     return tuple(range(slot * parts, slot * parts + parts))

@@ -7,11 +7,13 @@ hint, a synchronous call), keeps the table of operations in flight with the budg
 each was charged to, and on every poll hands completed operations back as
 ``OpDone`` values and gives their bytes back to the budget. It also chooses how
 often the owner loop polls: fast while a fetch (someone waits on it), slower while
-only deposits run, idle otherwise. Claims given back (``Release``) wait up to
-``RELEASE_DEFER_S`` so that a fetch arriving meanwhile (a preparation the
-scheduler waits on) runs and is answered first; they are released when that
-window ends (the loop comes back for them), earlier before any deposit, hinted
-fetch or call, and when the owner thread stops.
+only deposits run, idle otherwise. Claims given back (``Release``) wait until
+``RELEASE_DEFER_S`` after the last fetch (and after themselves) so that a
+preparation the scheduler waits on is answered, and its answer taken, without
+kvcr's per-claim Python competing for the GIL; never longer than
+``RELEASE_DEFER_MAX_S``. They are released when that window ends (the loop
+comes back for them), earlier before any deposit, hinted fetch or call, and
+when the owner thread stops.
 ``CommandExecutor.fail_inflight`` answers what KVCR will never complete. The
 inbox it takes commands from is ``owner_inbox``; ``KVCRAdapter`` owns the
 lifecycle and the scheduler-side API around it.
@@ -46,6 +48,7 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
 )
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import (
     completion_senders,
+    local_claims,
     page_fills,
     unresolved_fills,
 )
@@ -60,9 +63,12 @@ DEPOSIT_POLL_S = 0.002  # only offloads in flight: background, no one waits on t
 IDLE_POLL_S = 0.05
 # Claims per kvcr release call when releasing in the background (~0.1 ms).
 RELEASE_CHUNK = 16
-# Longest a Release waits behind fetches: releasing 50 claims costs kvcr ~0.3 ms
-# of Python that a local-hit fetch queued behind it would wait out.
+# A Release waits this long after the last fetch run: releasing 50 claims costs
+# kvcr ~0.3 ms of Python that a local-hit fetch queued behind it, or the
+# scheduler taking that fetch's answer, would wait out.
 RELEASE_DEFER_S = 0.001
+# ... and at most this long after it was queued (back-to-back fetches).
+RELEASE_DEFER_MAX_S = 0.02
 
 
 class CommandExecutor:
@@ -70,6 +76,7 @@ class CommandExecutor:
 
     __slots__ = (
         "_answered",
+        "_fetched_at",
         "_kvcr",
         "_peer_checks",
         "_pins",
@@ -115,6 +122,7 @@ class CommandExecutor:
         # Claims whose Release is deferred (RELEASE_DEFER_S), and since when.
         self._releases: list[ClaimId] = []
         self._releases_since = 0.0
+        self._fetched_at = 0.0  # when the last fetch ran
 
     @property
     def kvcr(self) -> Any:
@@ -135,23 +143,32 @@ class CommandExecutor:
         # Otherwise idle, or only deposit copies: their copier wakes this thread
         # when done (the idle period still bounds how late a deadline is noticed).
         if self._releases:  # back when the deferral ends, to release them
-            left = self._releases_since + RELEASE_DEFER_S - time.monotonic()
-            period = min(period, max(0.0, left))
+            period = min(period, max(0.0, self._release_due() - time.monotonic()))
         return period
+
+    def _release_due(self) -> float:
+        """When the deferred claims go back: ``RELEASE_DEFER_S`` after the
+        oldest of them and after the last fetch run, at the latest
+        ``RELEASE_DEFER_MAX_S`` after the oldest."""
+        since = self._releases_since
+        return min(
+            max(since, self._fetched_at) + RELEASE_DEFER_S,
+            since + RELEASE_DEFER_MAX_S,
+        )
 
     def flush_releases(
         self, idle: bool = True, yield_to: Callable[[], object] | None = None
     ) -> None:
         """Release the deferred claims: at once when ``idle`` (the inbox gave
         nothing for the rest of the window, the thread stops, or work that may
-        need their slots is next), else only once the oldest waited
-        ``RELEASE_DEFER_S``. With ``yield_to`` (background releases) they go
+        need their slots is next), else only once their window ended
+        (``_release_due``). With ``yield_to`` (background releases) they go
         ``RELEASE_CHUNK`` at a time, the GIL offered between chunks, and the
         rest waits for the loop's next turn once ``yield_to()`` says a command
         is queued: a fetch then runs behind one chunk, not all of them."""
         if not self._releases:
             return
-        if not idle and time.monotonic() < self._releases_since + RELEASE_DEFER_S:
+        if not idle and time.monotonic() < self._release_due():
             return
         released = 0
         while self._releases:
@@ -207,6 +224,8 @@ class CommandExecutor:
             self._count("deposits", 1)
             return True
         if isinstance(command, Fetch):
+            if command.hint is None and self._claim_resident(command):
+                return True
             if command.hint is not None:
                 try:
                     kv.submit_hint(dict(command.hint), command.request_id)
@@ -219,6 +238,7 @@ class CommandExecutor:
                 request_id=command.request_id,
                 expected_layout=list(command.expected_layout),
             )
+            self._fetched_at = time.monotonic()
             self.inflight[handle] = command
             self._count("fetches", 1)
             # A hint may have started peer work of its own.
@@ -241,6 +261,22 @@ class CommandExecutor:
             except BaseException as exc:
                 command.future.set_exception(exc)
         return False
+
+    def _claim_resident(self, command: Fetch) -> bool:
+        """Answer a fetch of pages all resident here at once, claimed in one
+        pass (``local_claims``), as kvcr's fetch would answer it; False (nothing
+        done) when not every page is."""
+        entries = local_claims.claim_all(
+            self._kvcr, command.keys, command.expected_layout
+        )
+        if entries is None:
+            return False
+        self._fetched_at = time.monotonic()
+        self._count("fetches", 1)
+        done = {bytes(key): _entry(result) for key, result in entries.items()}
+        self._uncharge(budget_of(command), command.nbytes)
+        self._results.put(OpDone(command.op_id, OpKind.FETCH, done))
+        return True
 
     def settle_fills(self, timeout_s: float) -> list[Any]:
         """Closing: drop deposit copies not started, wait up to ``timeout_s`` for
@@ -345,8 +381,14 @@ class CommandExecutor:
                 self._stats.dropped_notices, self._stats.unresolved_fill_bytes = now
 
 
+# kvcr's entry status -> ours (by name; an enum's ``name`` is slow to read).
+_STATUS: dict[Any, EntryStatus] = {}
+
+
 def _entry(result: Any) -> EntryResult:
-    status = EntryStatus[result.status.name]
+    status = _STATUS.get(result.status)
+    if status is None:
+        status = _STATUS[result.status] = EntryStatus[result.status.name]
     slots = tuple(result.descriptors) if result.descriptors else None
     claim = None if result.release_handle is None else ClaimId(result.release_handle)
     return EntryResult(status, slots, claim)

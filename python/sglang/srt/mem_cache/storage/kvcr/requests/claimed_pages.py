@@ -28,10 +28,12 @@ class PrepState(enum.Enum):
     RELEASED = "released"
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class ClaimedPage:
     """One pool's object of one page, claimed in KVCR DRAM: the claim to release,
-    the DRAM slot (element index) of each of its parts, and its bytes."""
+    the DRAM slot (element index) of each of its parts, and its bytes. Not
+    frozen only because a frozen one costs three times as much to make (one per
+    page of every hit); nothing changes one once made."""
 
     claim: ClaimId
     slots: tuple[int, ...]

@@ -209,28 +209,28 @@ class Preparations:
         late: list[ClaimId] = []
         if (
             prep is None
+            or owner is None
             or prep.state is PrepState.RELEASED
             or done.op_id not in prep.pending_ops  # from an earlier attempt
         ):
             late = [e.claim for e in done.entries.values() if e.claim is not None]
         else:
             prep.pending_ops.discard(done.op_id)
-            nbytes = owner_page_bytes(owner)
+            nbytes, parts, index_of = owner.page_bytes, owner.parts, prep.index_of
             for key, entry in done.entries.items():
                 if (claim := entry.claim) is None:
                     continue
                 parsed = parse_key(key)
-                index = None if parsed is None else prep.index_of(parsed[0])
+                index = None if parsed is None else index_of(parsed[0])
                 if (
                     entry.status is not EntryStatus.SUCCESS
                     or parsed is None
                     or index is None
-                    or owner is None
                     or len(slots := entry.slots or ()) != 1  # a block is one slot
                 ):
                     late.append(claim)
                     continue
-                rows = block_part_rows(int(slots[0].element_index), owner.parts)
+                rows = block_part_rows(slots[0].element_index, parts)
                 prep.landed.add(index, parsed[1], ClaimedPage(claim, rows, nbytes))
             if logger.isEnabledFor(logging.DEBUG):
                 statuses = collections.Counter(
@@ -394,7 +394,3 @@ class Preparations:
         self._owners.clear()
         self._abandoned.clear()
         self._held.clear()
-
-
-def owner_page_bytes(owner: FetchOwner | None) -> int:
-    return 0 if owner is None else owner.page_bytes

@@ -17,7 +17,8 @@ for SGLang's).
   guarded by a ZAP handler, and dials peers with the guard's options, keeping
   at most ``outgoing_sockets.MAX_OUTGOING`` outgoing sockets.
 - Whether kvcr answered a fetch within the call (``fetch_answered``: pages
-  resident here), so its progress loop need not be woken for it.
+  resident here), so its progress loop need not be woken for it; and such a
+  fetch's claims taken in one pass instead (``local_claims``).
 - Whether a KVCR whose close failed has since become quiescent
   (``core_is_quiescent``: kvcr exposes it on its core only), and how many
   residency claims a KVCR holds (``public_claims``, for shutdown checks).

@@ -145,6 +145,7 @@ def install() -> None:
                 (local_dram._LocalDram, "_update_capacity_pressure"),
                 (local_dram._LocalDram, "_resume_capacity_waiters"),
                 (local_dram._LocalDram, "_remove_evictable"),
+                (local_dram._LocalDram, "_new_public_claim"),  # local_claims
                 (local_dram._LocalDram, "_retry_unscored"),
                 (local_dram._LocalDram, "_free"),
                 (local_dram._LocalDram, "_size_bytes"),
