@@ -401,7 +401,7 @@ def test_a_fetch_queued_behind_a_release_runs_first(buffers, monkeypatch, one_pa
                 keys=(_key(0), _key(1)),
                 request_id="after-release",
                 expected_layout=("kv:page",),
-                nbytes=2 * BLOCK,
+                nbytes=0,  # resident here: nothing moves
             )
         )
         go.set()
@@ -589,6 +589,51 @@ def test_deferred_releases_wait_out_the_window_after_a_fetch(buffers, monkeypatc
             time.sleep(window / 8)
         wait_until(lambda: len(released) > 1, timeout=5, what="bounded deferral")
         assert released[1] - since < window, released[1] - since
+    finally:
+        adapter.close()
+
+
+def test_a_fetch_that_moves_pages_runs_after_the_deferred_releases(buffers):
+    """A fetch that moves pages here (bytes charged: slots to reserve) first
+    releases the deferred claims, whose slots it may need; one of pages all
+    resident here (no bytes) runs first and leaves them deferred."""
+    fw, store = buffers
+    adapter = _make(fw, store, "adapter-moves")
+    order: list[str] = []
+    later: list = []
+    try:
+        claims = _deposit_and_claim(adapter, "adapter-moves", range(4))
+        kv = adapter.call(lambda kv: kv)
+        real_release, real_fetch = kv.release, kv.fetch
+        kv.release = lambda h: order.append("release") or real_release(h)
+        kv.fetch = lambda *a, **k: order.append("fetch") or real_fetch(*a, **k)
+        local = kv._core._local_dram
+        real_claim = local._new_public_claim  # pages resident here: one pass
+        local._new_public_claim = lambda *a, **k: (
+            order.append("claim") or real_claim(*a, **k)
+        )
+        for moved, claim in ((False, claims[:2]), (True, claims[2:])):
+            go = _stalled(adapter)  # both queued before the owner runs either
+            adapter.submit(Release(tuple(claim)))
+            op = adapter.next_op_id()
+            adapter.submit(
+                Fetch(
+                    op_id=op,
+                    keys=(_key(9),) if moved else (_key(0),),
+                    request_id=f"moves-{moved}",
+                    expected_layout=("kv:page",),
+                    nbytes=BLOCK if moved else 0,
+                )
+            )
+            go.set()
+            entries = _wait_for(adapter, op).entries
+            wait_until(lambda: "release" in order, timeout=5, what="released")
+            later += [e.claim for e in entries.values() if e.claim is not None]
+        # Resident pages are claimed without kvcr's fetch, before the release;
+        # a page to move waits for it.
+        assert order == ["claim", "release", "release", "fetch"], order
+        adapter.submit(Release(tuple(later)))
+        assert adapter.wait_idle(5.0)
     finally:
         adapter.close()
 

@@ -11,7 +11,10 @@ the same keys in the same slots and states, with the same claim and access
 counts, the same recency order, the same eviction order and evictable counts,
 the same public claims, and gave the same answers (status, slot descriptors and
 release handle of every key). The run must reach fetches answered in one pass
-and fetches it declined (a page missing, or not READY in that layout).
+and fetches it declined (a page missing); a page READY in another layout, or
+still being filled, is declined too and leaves kvcr as it was. (kvcr's capacity
+pressure, updated once as its fetch does, has no callback in this configuration
+or the linker's, so nothing here observes it.)
 """
 
 from __future__ import annotations
@@ -119,7 +122,7 @@ def _state(kv) -> tuple:
             for key, r in records.items()
             if r.local_dram is not None
         )
-        recency = sorted(records, key=lambda k: (records[k].last_access, k))
+        recency = sorted(records, key=lambda k: (records[k].last_access or 0.0, k))
         with closing(local._evictable.candidates(set())) as order:
             evictable = list(order)
         return (
@@ -133,6 +136,37 @@ def _state(kv) -> tuple:
             core._outstanding_operations,
             dict(local._pending_residency_ops),
         )
+
+
+def _declines_a_filling_page(kv, resident: list[bytes]) -> tuple[list, tuple, tuple]:
+    """Reserve a FILLING slot for a new key (as a deposit does), ask for it
+    after and before the READY pages, then fail the fill: the answers, and
+    kvcr's state before and after they were asked."""
+    from kvcr.types import CacheTier
+
+    from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import batched_slots
+
+    core, filling = kv._core, _key(KEYS + 1)
+    with core._state_lock:
+        got = batched_slots.reserve(
+            core, [filling], "kv:page", core._operation_deadline(), {filling}
+        )
+    assert got == {filling}
+    during = _state(kv)
+    # What is still READY (the reservation may have evicted some of it).
+    ready = tuple(k for k, _, state, *_ in during[0] if state == "READY")
+    assert ready and set(ready) <= set(resident)
+    answers = [
+        local_claims.claim_all(kv, (*ready, filling), LAYOUT),
+        local_claims.claim_all(kv, (filling, *ready), LAYOUT),
+    ]
+    after = _state(kv)
+    with core._state_lock:
+        slots = (tuple(core._block_record_map[filling].local_dram.slots),)
+        core._local_dram._apply_fill_result(
+            (filling,), slots, False, CacheTier.FW_G2
+        )
+    return answers, during, after
 
 
 def test_one_pass_claims_leave_kvcr_as_its_fetch_does():
@@ -175,6 +209,12 @@ def test_one_pass_claims_leave_kvcr_as_its_fetch_does():
             lambda kv: local_claims.claim_all(kv, tuple(resident), ("kv:other",))
         ) is None
         assert one.call(_state) == before
+        # So is one with a page still being filled (its slot reserved, not
+        # READY), wherever it stands among READY ones.
+        answers, during, after = one.call(
+            lambda kv: _declines_a_filling_page(kv, resident)
+        )
+        assert answers == [None, None] and during == after
     finally:
         for adapter in (one, ref):
             adapter.close()

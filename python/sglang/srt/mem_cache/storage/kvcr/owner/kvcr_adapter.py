@@ -333,11 +333,9 @@ class KVCRAdapter:
         owner = self._owner()
         while True:
             batch = self._inbox.take(owner.poll_period(), _MAX_COMMANDS_PER_TURN)
-            idle, running = not batch, owner.run_batch(batch, _STOP)  # pops batch
+            running = owner.run_batch(batch, _STOP)  # pops batch
             owner.poll()  # fetches answered first, then releases
-            owner.flush_releases(
-                idle or not running, self._inbox.queued if running else None
-            )
+            owner.flush_releases(not running, self._inbox.queued if running else None)
             if not running:
                 return
 

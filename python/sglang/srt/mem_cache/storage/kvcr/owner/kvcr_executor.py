@@ -157,18 +157,18 @@ class CommandExecutor:
         )
 
     def flush_releases(
-        self, idle: bool = True, yield_to: Callable[[], object] | None = None
+        self, force: bool = True, yield_to: Callable[[], object] | None = None
     ) -> None:
-        """Release the deferred claims: at once when ``idle`` (the inbox gave
-        nothing for the rest of the window, the thread stops, or work that may
-        need their slots is next), else only once their window ended
-        (``_release_due``). With ``yield_to`` (background releases) they go
+        """Release the deferred claims: at once when ``force`` (the thread stops,
+        or work that may need their slots is next), else only once their window
+        ended (``_release_due``; an owner loop timing out sooner, e.g. polling a
+        peer fetch, leaves them). With ``yield_to`` (background releases) they go
         ``RELEASE_CHUNK`` at a time, the GIL offered between chunks, and the
         rest waits for the loop's next turn once ``yield_to()`` says a command
         is queued: a fetch then runs behind one chunk, not all of them."""
         if not self._releases:
             return
-        if not idle and time.monotonic() < self._release_due():
+        if not force and time.monotonic() < self._release_due():
             return
         released = 0
         while self._releases:
@@ -193,11 +193,10 @@ class CommandExecutor:
             if command is stop:
                 batch.popleft()
                 return False
-            if isinstance(command, (Deposit, Call)) or (
-                isinstance(command, Fetch) and command.hint is not None
-            ):
-                # Slots a deposit or a peer fetch reserves may need these claims
-                # gone; a call sees KVCR as every command before it left it.
+            if isinstance(command, (Deposit, Call)):
+                # Slots a deposit reserves may need these claims gone (so may a
+                # fetch's: see _execute); a call sees KVCR as every command
+                # before it left it.
                 self.flush_releases()
             settled = self._execute(command)
             batch.popleft()
@@ -226,6 +225,8 @@ class CommandExecutor:
         if isinstance(command, Fetch):
             if command.hint is None and self._claim_resident(command):
                 return True
+            if command.hint is not None or command.nbytes > 0:
+                self.flush_releases()  # it moves pages here: slots they hold
             if command.hint is not None:
                 try:
                     kv.submit_hint(dict(command.hint), command.request_id)
