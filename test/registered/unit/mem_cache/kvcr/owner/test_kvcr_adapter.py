@@ -638,6 +638,91 @@ def test_a_fetch_that_moves_pages_runs_after_the_deferred_releases(buffers):
         adapter.close()
 
 
+def test_a_deposit_ending_while_a_fetch_is_answered_wakes_kvcr(buffers, monkeypatch):
+    """A deposit whose copy ends while a completion is being polled (so the
+    first look at the fills missed it) may have resumed kvcr's capacity
+    waiters: the progress loop is woken by that poll, although the fetch
+    answered was one kvcr settled within its call, not a turn later by the
+    copier's own wake. (The race is forced: the copy is reported over only once
+    ``poll_completed`` ran.)"""
+    from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_executor
+    from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import local_claims
+
+    monkeypatch.setattr(local_claims, "ENABLED", False)  # kvcr's fetch and poll
+    fw, store = buffers
+    adapter = _make(fw, store, "adapter-refill")
+    events: list[str] = []
+    ended = threading.Event()
+    real_poll_fill = kvcr_executor.page_fills.poll
+
+    def poll_fill(kv, fill):
+        if not ended.is_set():
+            return None  # its copy still runs, as far as anyone looks
+        out = real_poll_fill(kv, fill)
+        if out is not None:
+            events.append("deposit answered")
+        return out
+
+    real_wake = kvcr_executor.kvcr_patches.wake
+    try:
+        kv = adapter.call(lambda kv: kv)
+        real_poll = kv.poll_completed
+
+        def poll_completed():
+            out = real_poll()
+            if out and "fetch" in events and not ended.is_set():
+                # The copy ends while this completion is polled.
+                jobs = [j for fill, _ in adapter._executor.fills for j in fill.jobs]
+                wait_until(
+                    lambda: all(j.poll() is not None for j in jobs),
+                    timeout=5,
+                    what="the deposit's copy over",
+                )
+                ended.set()
+            return out
+
+        kv.poll_completed = poll_completed
+        real_fetch = kv.fetch
+        kv.fetch = lambda *a, **k: events.append("fetch") or real_fetch(*a, **k)
+        monkeypatch.setattr(kvcr_executor.page_fills, "poll", poll_fill)
+        real_owner_poll = kvcr_executor.CommandExecutor.poll
+
+        def owner_poll(self):
+            real_owner_poll(self)
+            events.append("polled")
+
+        monkeypatch.setattr(kvcr_executor.CommandExecutor, "poll", owner_poll)
+        monkeypatch.setattr(
+            kvcr_executor.kvcr_patches,
+            "wake",
+            lambda: events.append("wake") or real_wake(),
+        )
+        go = _stalled(adapter)  # deposit and fetch run in one owner turn
+        deposit = adapter.next_op_id()
+        adapter.submit(
+            Deposit(op_id=deposit, blocks={_key(3): _ref("", 3)}, nbytes=BLOCK)
+        )
+        fetch = adapter.next_op_id()
+        adapter.submit(
+            Fetch(
+                op_id=fetch,
+                keys=(_key(5),),  # resident nowhere: answered FAILED in the call
+                request_id="refill",
+                expected_layout=("kv:page",),
+                nbytes=0,
+            )
+        )
+        events.clear()
+        go.set()
+        _wait_for(adapter, fetch)
+        wait_until(lambda: "deposit answered" in events, timeout=5, what="deposit")
+        # Woken by that poll itself (the copier's own wake comes a turn later).
+        at = events.index("deposit answered")
+        assert events[at + 1 : at + 3] == ["wake", "polled"], events
+    finally:
+        adapter.close()
+
+
 def test_background_releases_let_a_queued_fetch_run_between_chunks(
     buffers, monkeypatch
 ):
