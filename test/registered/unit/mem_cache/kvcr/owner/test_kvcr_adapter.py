@@ -642,9 +642,8 @@ def test_a_deposit_ending_while_a_fetch_is_answered_wakes_kvcr(buffers, monkeypa
     """A deposit whose copy ends while a completion is being polled (so the
     first look at the fills missed it) may have resumed kvcr's capacity
     waiters: the progress loop is woken by that poll, although the fetch
-    answered was one kvcr settled within its call, not a turn later by the
-    copier's own wake. (The race is forced: the copy is reported over only once
-    ``poll_completed`` ran.)"""
+    answered was one kvcr settled within its call. (The race is forced: the
+    copy is reported over only once ``poll_completed`` ran.)"""
     from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_executor
     from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import local_claims
 
@@ -716,9 +715,45 @@ def test_a_deposit_ending_while_a_fetch_is_answered_wakes_kvcr(buffers, monkeypa
         go.set()
         _wait_for(adapter, fetch)
         wait_until(lambda: "deposit answered" in events, timeout=5, what="deposit")
-        # Woken by that poll itself (the copier's own wake comes a turn later).
+        # Woken by that poll itself (the copier's wake-up does not wake it).
         at = events.index("deposit answered")
         assert events[at + 1 : at + 3] == ["wake", "polled"], events
+    finally:
+        adapter.close()
+
+
+def test_a_deposit_copy_ending_wakes_kvcr_only_once_its_fill_completed(
+    buffers, monkeypatch
+):
+    """The copier's wake-up runs the owner loop, which completes the fill; only
+    then is kvcr's progress loop woken (what the fill resumed), not for the
+    wake-up itself."""
+    from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_executor
+
+    fw, store = buffers
+    adapter = _make(fw, store, "adapter-copy-wake")
+    events: list[str] = []
+    real_poll_fill = kvcr_executor.page_fills.poll
+    real_wake = kvcr_executor.kvcr_patches.wake
+
+    def poll_fill(kv, fill):
+        out = real_poll_fill(kv, fill)
+        if out is not None:
+            events.append("deposit answered")
+        return out
+
+    try:
+        adapter.call(lambda kv: kv)  # started, and its call's wake-up is over
+        monkeypatch.setattr(kvcr_executor.page_fills, "poll", poll_fill)
+        monkeypatch.setattr(
+            kvcr_executor.kvcr_patches,
+            "wake",
+            lambda: events.append("wake") or real_wake(),
+        )
+        op = adapter.next_op_id()
+        adapter.submit(Deposit(op_id=op, blocks={_key(2): _ref("", 2)}, nbytes=BLOCK))
+        _wait_for(adapter, op)
+        assert events[:2] == ["deposit answered", "wake"], events
     finally:
         adapter.close()
 

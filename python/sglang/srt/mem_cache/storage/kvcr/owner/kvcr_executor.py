@@ -254,14 +254,18 @@ class CommandExecutor:
             return True
         if isinstance(command, DiscardHint):
             kv.discard_hint(command.request_id)
-        elif (
-            isinstance(command, Call) and command.future.set_running_or_notify_cancel()
-        ):
+            return False
+        if isinstance(command, Call):
+            if not command.future.set_running_or_notify_cancel():
+                return True  # cancelled: never ran
             try:
                 command.future.set_result(command.fn(kv))
             except BaseException as exc:
                 command.future.set_exception(exc)
-        return False
+            return False
+        # A wake-up (a deposit's copy ended): kvcr has nothing new until the
+        # fill is completed, and poll() wakes its loop once it is.
+        return True
 
     def _claim_resident(self, command: Fetch) -> bool:
         """Answer a fetch of pages all resident here at once, claimed in one
