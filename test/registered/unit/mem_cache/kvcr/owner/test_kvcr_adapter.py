@@ -354,11 +354,11 @@ def _stalled(adapter: KVCRAdapter) -> threading.Event:
 
 @pytest.mark.parametrize("one_pass", [True, False], ids=["one-pass", "kvcr-fetch"])
 def test_a_fetch_queued_behind_a_release_runs_first(buffers, monkeypatch, one_pass):
-    """A preparation's fetch does not wait out the release of earlier claims
-    queued before it (kvcr's per-claim Python): it runs and is answered first;
-    the claims are still released within the deferral. Pages resident here are
-    claimed in one pass (answered in the same call); with that off, through
-    kvcr's fetch and poll."""
+    """A preparation's fetch of pages resident here does not wait out the
+    release of earlier claims queued before it (kvcr's per-claim Python): it
+    runs and is answered first (claimed in one pass, within the call); the
+    claims are still released within the deferral. With that path off, kvcr's
+    fetch may reserve slots the claims hold: they are released first."""
     from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import local_claims
 
     monkeypatch.setattr(local_claims, "ENABLED", one_pass)
@@ -413,7 +413,7 @@ def test_a_fetch_queued_behind_a_release_runs_first(buffers, monkeypatch, one_pa
             what="deferred claims released",
         )
         # One pass answers within the call: no kvcr completion to poll.
-        want = ["fetch", "release"] if one_pass else ["fetch", "answered", "release"]
+        want = ["fetch", "release"] if one_pass else ["release", "fetch", "answered"]
         assert order == want, order
         _release_all_after(adapter, [e.claim for e in entries.values()], len(claims))
     finally:
@@ -776,12 +776,14 @@ def test_background_releases_let_a_queued_fetch_run_between_chunks(
         op = adapter.next_op_id()
         fetch = Fetch(
             op_id=op,
-            keys=(_key(7),),
+            keys=(_key(0),),  # resident here: claimed in one pass
             request_id="between-chunks",
             expected_layout=("kv:page",),
             nbytes=0,
         )
-        real_release, real_fetch = kv.release, kv.fetch
+        real_release = kv.release
+        local = kv._core._local_dram
+        real_claim = local._new_public_claim
 
         def release(handles):
             order.append(f"release:{len(handles)}")
@@ -789,11 +791,11 @@ def test_background_releases_let_a_queued_fetch_run_between_chunks(
                 adapter.submit(fetch)  # queued while the first chunk runs
             return real_release(handles)
 
-        def fetch_spy(*a, **k):
+        def claim_spy(*a, **k):
             order.append("fetch")
-            return real_fetch(*a, **k)
+            return real_claim(*a, **k)
 
-        kv.release, kv.fetch = release, fetch_spy
+        kv.release, local._new_public_claim = release, claim_spy
         adapter.submit(Release(tuple(claims)))
         _wait_for(adapter, op)
         wait_until(

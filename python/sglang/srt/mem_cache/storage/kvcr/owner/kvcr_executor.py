@@ -12,8 +12,8 @@ only deposits run, idle otherwise. Claims given back (``Release``) wait until
 preparation the scheduler waits on is answered, and its answer taken, without
 kvcr's per-claim Python competing for the GIL; never longer than
 ``RELEASE_DEFER_MAX_S``. They are released when that window ends (the loop
-comes back for them), earlier before any deposit, hinted fetch or call, and
-when the owner thread stops.
+comes back for them), earlier before any deposit, call or fetch of pages not
+all resident here, and when the owner thread stops.
 ``CommandExecutor.fail_inflight`` answers what KVCR will never complete. The
 inbox it takes commands from is ``owner_inbox``; ``KVCRAdapter`` owns the
 lifecycle and the scheduler-side API around it.
@@ -151,10 +151,8 @@ class CommandExecutor:
         oldest of them and after the last fetch run, at the latest
         ``RELEASE_DEFER_MAX_S`` after the oldest."""
         since = self._releases_since
-        return min(
-            max(since, self._fetched_at) + RELEASE_DEFER_S,
-            since + RELEASE_DEFER_MAX_S,
-        )
+        after_fetch = max(since, self._fetched_at) + RELEASE_DEFER_S
+        return min(after_fetch, since + RELEASE_DEFER_MAX_S)
 
     def flush_releases(
         self, force: bool = True, yield_to: Callable[[], object] | None = None
@@ -225,8 +223,9 @@ class CommandExecutor:
         if isinstance(command, Fetch):
             if command.hint is None and self._claim_resident(command):
                 return True
-            if command.hint is not None or command.nbytes > 0:
-                self.flush_releases()  # it moves pages here: slots they hold
+            # Not all resident here: kvcr may reserve slots (a page to move, or
+            # one its hint for this request names) the deferred claims hold.
+            self.flush_releases()
             if command.hint is not None:
                 try:
                     kv.submit_hint(dict(command.hint), command.request_id)
@@ -263,14 +262,11 @@ class CommandExecutor:
             except BaseException as exc:
                 command.future.set_exception(exc)
             return False
-        # A wake-up (a deposit's copy ended): kvcr has nothing new until the
-        # fill is completed, and poll() wakes its loop once it is.
-        return True
+        return True  # a copy ended: poll() wakes kvcr once its fill completed
 
     def _claim_resident(self, command: Fetch) -> bool:
-        """Answer a fetch of pages all resident here at once, claimed in one
-        pass (``local_claims``), as kvcr's fetch would answer it; False (nothing
-        done) when not every page is."""
+        """Answer a fetch of pages all resident here at once, claimed in one pass
+        (``local_claims``) as kvcr would; False (nothing done) when not all are."""
         entries = local_claims.claim_all(
             self._kvcr, command.keys, command.expected_layout
         )
