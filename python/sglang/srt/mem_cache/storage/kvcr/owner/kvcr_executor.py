@@ -221,6 +221,7 @@ class CommandExecutor:
             self._count("deposits", 1)
             return True
         if isinstance(command, Fetch):
+            self._fetched_at = time.monotonic()  # deferred releases wait after it
             if command.hint is None and self._claim_resident(command):
                 return True
             # Not all resident here: kvcr may reserve slots (a page to move, or
@@ -238,7 +239,6 @@ class CommandExecutor:
                 request_id=command.request_id,
                 expected_layout=list(command.expected_layout),
             )
-            self._fetched_at = time.monotonic()
             self.inflight[handle] = command
             self._count("fetches", 1)
             # A hint may have started peer work of its own.
@@ -272,7 +272,6 @@ class CommandExecutor:
         )
         if entries is None:
             return False
-        self._fetched_at = time.monotonic()
         self._count("fetches", 1)
         done = {bytes(key): _entry(result) for key, result in entries.items()}
         self._uncharge(budget_of(command), command.nbytes)
