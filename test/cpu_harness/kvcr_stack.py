@@ -304,3 +304,31 @@ def small_kvcr_factory(
         nixl_progress_thread=False,
         local_copier=copier,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotRef:
+    """The part of a kvcr ``MemoryRef`` the linker reads: the DRAM slot."""
+
+    element_index: int
+
+
+def as_op_done(item: Any) -> Any:
+    """An adapter result with a fetch's answers per key: a ``ClaimsTaken``
+    (resident pages claimed in one pass) as the ``OpDone`` kvcr's fetch gives
+    for them (every key SUCCESS, one slot each); anything else as it is."""
+    from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
+        ClaimsTaken,
+        EntryResult,
+        EntryStatus,
+        OpDone,
+        OpKind,
+    )
+
+    if not isinstance(item, ClaimsTaken):
+        return item
+    entries = {
+        key: EntryResult(EntryStatus.SUCCESS, (SlotRef(slot),), claim)
+        for key, claim, slot in zip(item.keys, item.claims, item.slots, strict=True)
+    }
+    return OpDone(item.op_id, OpKind.FETCH, entries)

@@ -45,6 +45,7 @@ from sglang.srt.mem_cache.storage.kvcr.observability.linker_stats import (
 )
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     InventoryChange,
+    OpDone,
     OpKind,
 )
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_session import KVCRSession
@@ -182,7 +183,7 @@ class KVCRDirectLinker(
         for item in self._adapter.drain(wait_s):
             if isinstance(item, InventoryChange):
                 self.stats.evicted_pages += self.residency.on_inventory(item)
-            elif item.kind is OpKind.DEPOSIT:
+            elif isinstance(item, OpDone) and item.kind is OpKind.DEPOSIT:
                 self.offloader.on_done(item)
             else:
                 self.session.submit(

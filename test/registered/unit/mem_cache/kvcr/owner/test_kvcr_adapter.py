@@ -73,7 +73,7 @@ def _wait_for(adapter: KVCRAdapter, op_id: int, timeout: float = 10.0) -> OpDone
     deadline = time.monotonic() + timeout
     seen = []
     while time.monotonic() < deadline:
-        for item in adapter.drain():
+        for item in map(kvcr_stack.as_op_done, adapter.drain()):
             if isinstance(item, OpDone) and item.op_id == op_id:
                 return item
             seen.append(item)
@@ -164,13 +164,13 @@ def test_every_kvcr_call_runs_on_the_owner_thread(buffers):
             return allocate(*a, **k)
 
         local._allocate_slots = spy_allocate
-        claim_one = local._new_public_claim  # a fetch of pages resident here
+        claim_one = local._acquire_claim  # a fetch of pages resident here
 
         def spy_claim(*a, **k):
-            calls.append(("_new_public_claim", threading.current_thread().name))
+            calls.append(("_acquire_claim", threading.current_thread().name))
             return claim_one(*a, **k)
 
-        local._new_public_claim = spy_claim
+        local._acquire_claim = spy_claim
         op = adapter.next_op_id()
         adapter.submit(
             Deposit(op_id=op, blocks={_key(1): _ref("adapter-thread", 1)}, nbytes=BLOCK)
@@ -204,7 +204,7 @@ def test_every_kvcr_call_runs_on_the_owner_thread(buffers):
         _release_all(adapter, [entry.claim, entries[_key(1)].claim])
     finally:
         adapter.close()
-    want = {*SPIED, "_allocate_slots", "_new_public_claim"}
+    want = {*SPIED, "_allocate_slots", "_acquire_claim"}
     assert {name for name, _ in calls} == want, calls
     assert {thread for _, thread in calls} == {adapter.owner_thread.name}, calls
     assert threading.current_thread().name != adapter.owner_thread.name
@@ -226,7 +226,7 @@ def test_inventory_events_report_stores_and_evictions(buffers):
             deadline = time.monotonic() + 10
             done = None
             while done is None and time.monotonic() < deadline:
-                for item in adapter.drain():
+                for item in map(kvcr_stack.as_op_done, adapter.drain()):
                     if isinstance(item, InventoryChange):
                         events.append(item)
                     elif item.op_id == op:
@@ -369,7 +369,7 @@ def test_a_fetch_queued_behind_a_release_runs_first(buffers, monkeypatch, one_pa
         claims = _deposit_and_claim(adapter, "adapter-defer", range(3))
         kv = adapter.call(lambda kv: kv)
         local = kv._core._local_dram
-        claim_one = local._new_public_claim
+        claim_one = local._acquire_claim
 
         def claim_spy(*a, **k):
             if one_pass and "fetch" not in order:
@@ -377,7 +377,7 @@ def test_a_fetch_queued_behind_a_release_runs_first(buffers, monkeypatch, one_pa
                 time.sleep(2 * RELEASE_DEFER_S)  # outlasts the deferral
             return claim_one(*a, **k)
 
-        local._new_public_claim = claim_spy
+        local._acquire_claim = claim_spy
         for name in ("fetch", "release", "poll_completed"):
             original = getattr(kv, name)
 
@@ -486,7 +486,9 @@ def test_a_fetch_answered_in_its_call_leaves_kvcrs_progress_loop_asleep(
     """A fetch of pages resident here is answered inside kvcr's fetch call: the
     owner thread neither wakes KVCR's progress loop after running it nor after
     handing its answer back (the wake-up's Python would compete with the
-    scheduler for the GIL). A hinted fetch still wakes it (peer work)."""
+    scheduler for the GIL), nor after releasing its claims: whatever a release
+    hands kvcr's loop goes through the loop's own (waking) submit. A hinted
+    fetch still wakes it (peer work)."""
     from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_patches
 
     fw, store = buffers
@@ -522,7 +524,7 @@ def test_a_fetch_answered_in_its_call_leaves_kvcrs_progress_loop_asleep(
         ]
         assert wakes == []
         _release_all_after(adapter, [e.claim for e in entries.values() if e.claim], 3)
-        wakes.clear()
+        assert wakes == []  # nor does releasing the claims (no peer work either)
         entries = fetch({"not": "a kv.fetch@1.0 hint"})  # kvcr refuses it; still woken
         assert wakes, "a hinted fetch may have started peer work"
         _release_all_after(adapter, [e.claim for e in entries.values() if e.claim], 5)
@@ -608,8 +610,8 @@ def test_a_fetch_that_moves_pages_runs_after_the_deferred_releases(buffers):
         kv.release = lambda h: order.append("release") or real_release(h)
         kv.fetch = lambda *a, **k: order.append("fetch") or real_fetch(*a, **k)
         local = kv._core._local_dram
-        real_claim = local._new_public_claim  # pages resident here: one pass
-        local._new_public_claim = lambda *a, **k: (
+        real_claim = local._acquire_claim  # pages resident here: one pass
+        local._acquire_claim = lambda *a, **k: (
             order.append("claim") or real_claim(*a, **k)
         )
         for moved, claim in ((False, claims[:2]), (True, claims[2:])):
@@ -783,7 +785,7 @@ def test_background_releases_let_a_queued_fetch_run_between_chunks(
         )
         real_release = kv.release
         local = kv._core._local_dram
-        real_claim = local._new_public_claim
+        real_claim = local._acquire_claim
 
         def release(handles):
             order.append(f"release:{len(handles)}")
@@ -795,7 +797,7 @@ def test_background_releases_let_a_queued_fetch_run_between_chunks(
             order.append("fetch")
             return real_claim(*a, **k)
 
-        kv.release, local._new_public_claim = release, claim_spy
+        kv.release, local._acquire_claim = release, claim_spy
         adapter.submit(Release(tuple(claims)))
         _wait_for(adapter, op)
         wait_until(

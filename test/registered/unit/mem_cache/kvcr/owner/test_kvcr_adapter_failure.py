@@ -15,6 +15,7 @@ import types
 
 import pytest
 
+from cpu_harness import kvcr_stack
 from cpu_harness.kvcr_pages import wait_until
 from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRAdapterFailed
 from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_executor
@@ -103,7 +104,13 @@ def _results(adapter: KVCRAdapter, want: int) -> dict[int, OpDone]:
     got: dict[int, OpDone] = {}
 
     def more() -> bool:
-        got.update({d.op_id: d for d in adapter.drain() if isinstance(d, OpDone)})
+        got.update(
+            {
+                d.op_id: d
+                for d in map(kvcr_stack.as_op_done, adapter.drain())
+                if isinstance(d, OpDone)
+            }
+        )
         return len(got) >= want
 
     wait_until(more, timeout=5, what=f"{want} results")
@@ -165,7 +172,11 @@ def test_queued_in_flight_and_later_commands_all_complete_failed():
     adapter.submit(later_fetch)
     adapter.submit(Release((7,)))
     adapter.submit(DiscardHint("r"))
-    got = {d.op_id: d for d in adapter.drain() if isinstance(d, OpDone)}  # at once
+    got = {
+        d.op_id: d
+        for d in map(kvcr_stack.as_op_done, adapter.drain())
+        if isinstance(d, OpDone)
+    }  # at once
     assert _failed_as(got[later.op_id], OpKind.DEPOSIT, (b"d",))
     assert _failed_as(got[halves[0].op_id], OpKind.DEPOSIT, (b"e", b"f"))
     assert _failed_as(got[later_fetch.op_id], OpKind.FETCH, (b"d",))
@@ -241,7 +252,11 @@ def test_a_submit_racing_the_failure_is_answered_exactly_once():
     seen: list[int] = []
     wait_until(
         lambda: (
-            seen.extend(d.op_id for d in adapter.drain() if isinstance(d, OpDone))
+            seen.extend(
+                d.op_id
+                for d in map(kvcr_stack.as_op_done, adapter.drain())
+                if isinstance(d, OpDone)
+            )
             or len(seen) >= len(sent)
         ),
         timeout=5,

@@ -31,6 +31,7 @@ from sglang.srt.mem_cache.storage.kvcr.device.device_streams import DeviceBindin
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_adapter import KVCRAdapter
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     AdapterLimits,
+    ClaimsTaken,
     Deposit,
     EntryStatus,
     OpDone,
@@ -80,11 +81,12 @@ def _deposit(adapter: KVCRAdapter, keys: list[int]) -> dict:
 
 
 def _answers(entries) -> dict:
-    """kvcr's per-key answers, as comparable values."""
+    """kvcr's per-key answers, as comparable values: status, slot numbers,
+    release handle."""
     return {
         key: (
             r.status.name,
-            tuple((d.label, d.element_index) for d in r.descriptors or ()),
+            tuple(d.element_index for d in r.descriptors or ()),
             r.release_handle,
         )
         for key, r in entries.items()
@@ -100,10 +102,15 @@ def _kvcr_fetch(kv, keys: tuple[bytes, ...]) -> dict:
 
 
 def _one_pass(kv, keys: tuple[bytes, ...]) -> tuple[bool, dict]:
-    entries = local_claims.claim_all(kv, keys, LAYOUT)
-    if entries is None:
+    taken = local_claims.claim_all(kv, keys, LAYOUT)
+    if taken is None:
         return False, _kvcr_fetch(kv, keys)
-    return True, _answers(entries)
+    handles, slots = taken
+    assert len(handles) == len(slots) == len(keys)
+    return True, {
+        key: ("SUCCESS", (slot,), handle)
+        for key, handle, slot in zip(keys, handles, slots, strict=True)
+    }
 
 
 def _state(kv) -> tuple:
@@ -163,9 +170,7 @@ def _declines_a_filling_page(kv, resident: list[bytes]) -> tuple[list, tuple, tu
     after = _state(kv)
     with core._state_lock:
         slots = (tuple(core._block_record_map[filling].local_dram.slots),)
-        core._local_dram._apply_fill_result(
-            (filling,), slots, False, CacheTier.FW_G2
-        )
+        core._local_dram._apply_fill_result((filling,), slots, False, CacheTier.FW_G2)
     return answers, during, after
 
 
@@ -205,9 +210,12 @@ def test_one_pass_claims_leave_kvcr_as_its_fetch_does():
         resident = [k for k, *_ in one.call(_state)[0]]
         assert resident
         before = one.call(_state)
-        assert one.call(
-            lambda kv: local_claims.claim_all(kv, tuple(resident), ("kv:other",))
-        ) is None
+        assert (
+            one.call(
+                lambda kv: local_claims.claim_all(kv, tuple(resident), ("kv:other",))
+            )
+            is None
+        )
         assert one.call(_state) == before
         # So is one with a page still being filled (its slot reserved, not
         # READY), wherever it stands among READY ones.
@@ -238,20 +246,19 @@ def test_a_fetch_of_resident_pages_is_answered_without_kvcr_fetch():
         op = adapter.next_op_id()
         keys = (_key(0), _key(1), _key(2))
         adapter.submit(
-            Fetch(
-                op_id=op, keys=keys, request_id="r", expected_layout=LAYOUT, nbytes=0
-            )
+            Fetch(op_id=op, keys=keys, request_id="r", expected_layout=LAYOUT, nbytes=0)
         )
         done = None
         for _ in range(200):
             done = next(
-                (i for i in adapter.drain(0.05) if isinstance(i, OpDone)), None
+                (i for i in adapter.drain(0.05) if isinstance(i, ClaimsTaken)), None
             )
             if done is not None:
                 break
         assert done is not None and done.op_id == op
-        assert [e.status for e in done.entries.values()] == [EntryStatus.SUCCESS] * 3
-        assert all(e.claim is not None and len(e.slots) == 1 for e in done.entries.values())
+        assert len(set(done.claims)) == 3 and len(done.slots) == 3
+        public = adapter.call(lambda kv: dict(kv._core._local_dram._public_claims))
+        assert [public[c][0] for c in done.claims] == list(keys)
         assert fetches == []
         assert adapter.stats().fetches == 1
     finally:

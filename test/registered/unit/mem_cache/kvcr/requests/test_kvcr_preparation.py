@@ -18,6 +18,7 @@ from sglang.srt.mem_cache.storage.kvcr.datapath.offload_queue import (
 )
 from sglang.srt.mem_cache.storage.kvcr.observability.linker_stats import LinkerStats
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
+    ClaimsTaken,
     DiscardHint,
     EntryResult,
     EntryStatus,
@@ -26,7 +27,10 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     OpKind,
     Release,
 )
-from sglang.srt.mem_cache.storage.kvcr.requests.fetch_plan import PoolFetch
+from sglang.srt.mem_cache.storage.kvcr.requests.fetch_plan import (
+    PoolFetch,
+    plan_fetches,
+)
 from sglang.srt.mem_cache.storage.kvcr.requests.preparation import (
     Preparations,
     PrepState,
@@ -140,6 +144,69 @@ def test_a_retried_attempt_never_reads_the_older_one():
     assert second.landed == {}
     assert preps.ready(PreparationHandle("r", 0))  # a stale handle holds nothing
     assert not preps.ready(PreparationHandle("r", 1))
+
+
+def test_claims_taken_in_one_pass_land_at_their_planned_pages():
+    """A fetch answered in one pass (``ClaimsTaken``: claims and slots in key
+    order) lands each claim at the page index its plan gave it, in its pool;
+    one that does not match its plan, or comes for a dropped preparation,
+    releases every claim it carries."""
+    stats = LinkerStats()
+    preps = Preparations(stats)
+    ctx = LinkerRequestContext("r", 0)
+    prep, _ = preps.begin(ctx, list(PAGES), 30.0, False)
+    ids = iter(range(10, 99)).__next__
+    keys = (_key("p1"), _key("p2"))
+    plan = [
+        PoolFetch((_key("p0"),), ("k",), 10, False, 1, "kv", (0,)),
+        PoolFetch(keys, ("k",), 10, False, 2, "kv", (1, 2)),
+    ]
+    first, second = preps.fetch(prep, plan, ids, None)
+    assert (
+        preps.on_fetch_done(ClaimsTaken(first.op_id, (_key("p0"),), [5], [7]), _parse)
+        == []
+    )
+    assert (
+        preps.on_fetch_done(ClaimsTaken(second.op_id, keys, [6, 8], [3, 4]), _parse)
+        == []
+    )
+    assert prep.state is PrepState.READY
+    assert {i: (o["kv"].claim, o["kv"].slots) for i, o in prep.landed.items()} == {
+        0: (5, (7,)),
+        1: (6, (6, 7)),  # two parts: the slot's rows of one span
+        2: (8, (8, 9)),
+    }
+    assert prep.restorable(0, PAGES, frozenset({"kv"}), frozenset(), 3) == [1, 2, 3]
+    # An answer that does not match its plan lands nothing.
+    prep, _ = preps.begin(LinkerRequestContext("s", 0), list(PAGES), 30.0, False)
+    (op,) = preps.fetch(prep, plan[1:], ids, None)
+    short = ClaimsTaken(op.op_id, keys[:1], [11], [1])
+    assert preps.on_fetch_done(short, _parse) == [Release((11,))]
+    assert prep.landed == {} and stats.late_claims_released == 1
+    # Nor does one for a preparation that is gone.
+    prep, _ = preps.begin(LinkerRequestContext("t", 0), list(PAGES), 30.0, False)
+    (op,) = preps.fetch(prep, plan[1:], ids, None)
+    preps.release("t")
+    late = ClaimsTaken(op.op_id, keys, [12, 13], [1, 2])
+    assert preps.on_fetch_done(late, _parse) == [Release((12, 13))]
+
+
+def test_a_plan_gives_each_key_its_page_index_and_pool():
+    """``plan_fetches`` names each key's page index and pool, per chunk and
+    per pool, resident keys apart from moved ones."""
+    layout = SimpleNamespace(
+        pools=[SimpleNamespace(name="kv", block_label="kv:b", spans=(0,))],
+        window_pools=[],
+        block_key=lambda h, pool: _key(h, pool),
+    )
+    resident = {_key("p0"), _key("p2")}
+    pages = ["p0", "p1", "p2"]
+    fetches = plan_fetches(pages, frozenset({"p1"}), resident, layout, {"kv": 10}, 2)
+    assert [(f.keys, f.moved, f.pool, f.pages) for f in fetches] == [
+        ((_key("p0"),), False, "kv", (0,)),
+        ((_key("p1"),), True, "kv", (1,)),
+        ((_key("p2"),), False, "kv", (2,)),
+    ]
 
 
 def test_one_fifo_result_per_offload_settled_when_all_its_deposits_are():

@@ -48,9 +48,9 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     Fetch,
     InventoryChange,
     NoPinFramework,
-    OpDone,
     OpId,
     Release,
+    Result,
     completed_as,
 )
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_executor import CommandExecutor
@@ -95,7 +95,7 @@ class KVCRAdapter:
     ) -> None:
         self._limits = limits
         self._inbox = OwnerInbox()
-        self._results: queue.SimpleQueue[OpDone | InventoryChange] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[Result] = queue.SimpleQueue()
         self._op_ids = itertools.count(1)
         self.state = AdapterState.STARTING
         self._state_lock = threading.Lock()  # STARTING -> RUNNING or FAILED, once
@@ -176,11 +176,11 @@ class KVCRAdapter:
         copy raised); safe from any thread."""
         self._results.put(completed_as(command, EntryStatus.FAILED))
 
-    def drain(self, wait_s: float = 0.0) -> list[OpDone | InventoryChange]:
+    def drain(self, wait_s: float = 0.0) -> list[Result]:
         """Every result produced since the last drain, in production order
         (also once FAILED or closed: what the shutdown answered); with
         ``wait_s``, waits that long at most for the first when there is none."""
-        out: list[OpDone | InventoryChange] = []
+        out: list[Result] = []
         if wait_s > 0:
             try:
                 out.append(self._results.get(timeout=wait_s))

@@ -2,7 +2,8 @@
 
 Operation and claim ids (``OpId``, ``ClaimId``), commands the scheduler thread
 enqueues (``Deposit``, ``Fetch``, ``Release``, ``DiscardHint``), results it
-drains (``OpDone`` with one ``EntryResult`` per key, ``InventoryChange``), the
+drains (``OpDone`` with one ``EntryResult`` per key, ``ClaimsTaken`` for a
+fetch of pages all resident here, ``InventoryChange``), the
 adapter's limits and counters, and the callbacks the KVCR factory receives. Frozen slotted dataclasses and enums only: no behaviour.
 """
 
@@ -52,9 +53,27 @@ class OpDone:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ClaimsTaken:
+    """A fetch whose every key was READY here, answered in one pass: the claim
+    and the DRAM slot (element index) of its ``i``-th key (``keys``, the
+    fetch's own) at ``i``. Every key succeeded; each claim must be released
+    exactly once. Plain lists rather than one ``EntryResult`` per key: they are
+    made on the owner thread, inside the scheduler's wait for a local hit."""
+
+    op_id: OpId
+    keys: tuple[bytes, ...]
+    claims: list[ClaimId]
+    slots: list[int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class InventoryChange:
     keys: tuple[bytes, ...]
     removed: bool
+
+
+# What the scheduler thread drains from the adapter.
+Result = OpDone | ClaimsTaken | InventoryChange
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

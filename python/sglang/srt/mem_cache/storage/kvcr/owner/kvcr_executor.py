@@ -27,23 +27,24 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_patches
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     AdapterStats,
     Budget,
     ClaimId,
+    ClaimsTaken,
     Deposit,
     DiscardHint,
     EntryResult,
     EntryStatus,
     Fetch,
-    InventoryChange,
     NoPinFramework,
     OpDone,
     OpKind,
     Release,
+    Result,
     budget_of,
 )
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import (
@@ -96,7 +97,7 @@ class CommandExecutor:
         self,
         kvcr: Any,
         pins: NoPinFramework,
-        results: queue.SimpleQueue[OpDone | InventoryChange],
+        results: queue.SimpleQueue[Result],
         stats: AdapterStats,
         stats_lock: threading.Lock,
         uncharge: Callable[[Budget, int], None],
@@ -179,8 +180,10 @@ class CommandExecutor:
             time.sleep(0)  # a scheduler thread waiting for the GIL takes it
             if yield_to():
                 break
+        # No progress-loop wake: kvcr resumes capacity waiters only within the
+        # owner's own calls (a fill's result, a retiring release), and whatever
+        # they hand its loop goes through the loop's submit, which wakes it.
         self._count("claims_released", released)
-        kvcr_patches.wake()  # freed slots may resume kvcr's capacity waiters
 
     def run_batch(self, batch: collections.deque[object], stop: object) -> bool:
         """Run ``batch`` in order, popping each command once it has run (one that
@@ -267,15 +270,15 @@ class CommandExecutor:
     def _claim_resident(self, command: Fetch) -> bool:
         """Answer a fetch of pages all resident here at once, claimed in one pass
         (``local_claims``) as kvcr would; False (nothing done) when not all are."""
-        entries = local_claims.claim_all(
+        taken = local_claims.claim_all(
             self._kvcr, command.keys, command.expected_layout
         )
-        if entries is None:
+        if taken is None:
             return False
         self._count("fetches", 1)
-        done = {bytes(key): _entry(result) for key, result in entries.items()}
         self._uncharge(budget_of(command), command.nbytes)
-        self._results.put(OpDone(command.op_id, OpKind.FETCH, done))
+        claims = cast("list[ClaimId]", taken[0])  # kvcr's release handles
+        self._results.put(ClaimsTaken(command.op_id, command.keys, claims, taken[1]))
         return True
 
     def settle_fills(self, timeout_s: float) -> list[Any]:

@@ -27,9 +27,8 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     DiscardHint,
     EntryStatus,
     Fetch,
-    InventoryChange,
-    OpDone,
     Release,
+    Result,
     budget_of,
     charge,
     completed_as,
@@ -109,7 +108,7 @@ class CommandGate:
     def __init__(
         self,
         inbox: OwnerInbox,
-        results: queue.SimpleQueue[OpDone | InventoryChange],
+        results: queue.SimpleQueue[Result],
         stats: AdapterStats,
         stats_lock: threading.Lock,
         limits: Any,
@@ -187,7 +186,7 @@ def _no_charge(budget: Budget, nbytes: int) -> None:
 
 def answer_unrun(
     commands: Iterable[object],
-    results: queue.SimpleQueue[OpDone | InventoryChange],
+    results: queue.SimpleQueue[Result],
     uncharge: Callable[[Budget, int], None],
     why: str,
 ) -> None:

@@ -30,6 +30,8 @@ class PoolFetch:
     page_bytes: int
     moved: bool
     parts: int = 1  # spans per block (its slot's rows of one span's page size)
+    pool: str = ""  # the pool's name
+    pages: tuple[int, ...] = ()  # each key's page index in the planned pages
 
 
 def kv_keys(transfers: list[Any]) -> list[str]:
@@ -79,22 +81,24 @@ def plan_fetches(
     }
     out: list[PoolFetch] = []
     for start in range(0, len(pages), chunk):
-        span = pages[start : start + chunk]
+        span = range(start, min(start + chunk, len(pages)))
         for pool in layout.pools:
             held = windows.get(pool.name)
-            chosen = span if held is None else [h for h in span if h in held]
-            keys = [layout.block_key(h, pool.name) for h in chosen]
-            local = tuple(k for k in keys if k in residency)
-            remote = tuple(k for k in keys if k not in residency)
+            chosen = span if held is None else [i for i in span if pages[i] in held]
+            keys = [(i, layout.block_key(pages[i], pool.name)) for i in chosen]
+            local = [(i, k) for i, k in keys if k in residency]
+            remote = [(i, k) for i, k in keys if k not in residency]
             for group, moved in ((local, False), (remote, True)):
                 if group:
                     out.append(
                         PoolFetch(
-                            group,
+                            tuple(k for _, k in group),
                             (pool.block_label,),
                             object_bytes[pool.name],
                             moved,
                             len(pool.spans),
+                            pool.name,
+                            tuple(i for i, _ in group),
                         )
                     )
     return out

@@ -9,13 +9,12 @@ bytes), what the claims of live preparations hold (claimed bytes, landed or
 being fetched, bounded so requests waiting in the queue cannot pin the whole DRAM
 share) and what the readiness gate is holding back. It never calls KVCR: it
 returns the ``Fetch``/``Release``/``DiscardHint`` commands for the linker to
-submit, and it is driven by the ``OpDone`` results the linker drains, so its
-logic is tested with plain values.
+submit, and it is driven by the ``OpDone`` and ``ClaimsTaken`` results the
+linker drains, so its logic is tested with plain values.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import time
@@ -31,6 +30,7 @@ from sglang.srt.mem_cache.storage.kvcr.observability.linker_stats import (
 )
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     ClaimId,
+    ClaimsTaken,
     DiscardHint,
     EntryStatus,
     Fetch,
@@ -74,6 +74,8 @@ class FetchOwner:
     claimed_bytes: int
     page_bytes: int = 0
     parts: int = 1  # spans per block: a claimed slot's rows of one span's size
+    pool: str = ""  # the pool its keys are of (PoolFetch.pool)
+    pages: tuple[int, ...] = ()  # each key's page index (PoolFetch.pages)
 
 
 @dataclasses.dataclass(slots=True)
@@ -183,7 +185,7 @@ class Preparations:
             prep.pending_ops.add(op_id)
             # The DRAM it will claim (what an abandoned op still holds).
             self._owners[op_id] = FetchOwner(
-                prep.ctx.rid, claimed, f.page_bytes, f.parts
+                prep.ctx.rid, claimed, f.page_bytes, f.parts, f.pool, f.pages
             )
             commands.append(
                 Fetch(
@@ -200,47 +202,33 @@ class Preparations:
         return commands
 
     def on_fetch_done(
-        self, done: OpDone, parse_key: Callable[[bytes], tuple[str, str] | None]
+        self,
+        done: OpDone | ClaimsTaken,
+        parse_key: Callable[[bytes], tuple[str, str] | None],
     ) -> list[Command]:
         """Record what one fetch landed; claims nobody can use are released."""
         owner = self._owners.pop(done.op_id, None)
         self._abandoned.pop(done.op_id, None)
         prep = self._preps.get(owner.rid) if owner is not None else None
-        late: list[ClaimId] = []
         if (
             prep is None
             or owner is None
             or prep.state is PrepState.RELEASED
             or done.op_id not in prep.pending_ops  # from an earlier attempt
         ):
-            late = [e.claim for e in done.entries.values() if e.claim is not None]
+            late = _claims_of(done)
         else:
             prep.pending_ops.discard(done.op_id)
-            nbytes, parts, index_of = owner.page_bytes, owner.parts, prep.index_of
-            for key, entry in done.entries.items():
-                if (claim := entry.claim) is None:
-                    continue
-                parsed = parse_key(key)
-                index = None if parsed is None else index_of(parsed[0])
-                if (
-                    entry.status is not EntryStatus.SUCCESS
-                    or parsed is None
-                    or index is None
-                    or len(slots := entry.slots or ()) != 1  # a block is one slot
-                ):
-                    late.append(claim)
-                    continue
-                rows = block_part_rows(slots[0].element_index, parts)
-                prep.landed.add(index, parsed[1], ClaimedPage(claim, rows, nbytes))
+            if isinstance(done, ClaimsTaken):
+                late = _land_taken(prep, owner, done)
+            else:
+                late = _land_entries(prep, owner, done, parse_key)
             if logger.isEnabledFor(logging.DEBUG):
-                statuses = collections.Counter(
-                    e.status.name for e in done.entries.values()
-                )
                 logger.debug(
-                    "KVCR fetch for %s: %s, %d pages landed, %d ops pending",
+                    "KVCR fetch for %s: %d pages landed, %d released, %d ops pending",
                     prep.ctx.handle,
-                    dict(statuses),
                     len(prep.landed),
+                    len(late),
                     len(prep.pending_ops),
                 )
             if not prep.pending_ops:
@@ -394,3 +382,55 @@ class Preparations:
         self._owners.clear()
         self._abandoned.clear()
         self._held.clear()
+
+
+def _claims_of(done: OpDone | ClaimsTaken) -> list[ClaimId]:
+    """Every claim a fetch's answer holds."""
+    if isinstance(done, ClaimsTaken):
+        return list(done.claims)
+    return [e.claim for e in done.entries.values() if e.claim is not None]
+
+
+def _land_taken(
+    prep: Preparation, owner: FetchOwner, taken: ClaimsTaken
+) -> list[ClaimId]:
+    """Land a fetch answered in one pass (every key claimed, one slot each, in the
+    order planned: ``owner.pages``); the claims to release (all of them when the
+    answer does not match the plan)."""
+    pages, claims, slots = owner.pages, taken.claims, taken.slots
+    if not (len(pages) == len(claims) == len(slots)):
+        return list(claims)
+    landed, pool, nbytes, parts = prep.landed, owner.pool, owner.page_bytes, owner.parts
+    for index, claim, slot in zip(pages, claims, slots, strict=True):
+        landed.add(
+            index, pool, ClaimedPage(claim, block_part_rows(slot, parts), nbytes)
+        )
+    return []
+
+
+def _land_entries(
+    prep: Preparation,
+    owner: FetchOwner,
+    done: OpDone,
+    parse_key: Callable[[bytes], tuple[str, str] | None],
+) -> list[ClaimId]:
+    """Land a kvcr fetch's per-key answers; the claims nobody can use (a key
+    that failed, is not this preparation's, or is not one slot)."""
+    late: list[ClaimId] = []
+    nbytes, parts, index_of = owner.page_bytes, owner.parts, prep.index_of
+    for key, entry in done.entries.items():
+        if (claim := entry.claim) is None:
+            continue
+        parsed = parse_key(key)
+        index = None if parsed is None else index_of(parsed[0])
+        if (
+            entry.status is not EntryStatus.SUCCESS
+            or parsed is None
+            or index is None
+            or len(slots := entry.slots or ()) != 1  # a block is one slot
+        ):
+            late.append(claim)
+            continue
+        rows = block_part_rows(slots[0].element_index, parts)
+        prep.landed.add(index, parsed[1], ClaimedPage(claim, rows, nbytes))
+    return late
