@@ -177,6 +177,7 @@ def test_claims_taken_in_one_pass_land_at_their_planned_pages():
         2: (8, (8, 9)),
     }
     assert prep.restorable(0, PAGES, frozenset({"kv"}), frozenset(), 3) == [1, 2, 3]
+    assert preps.claimed_bytes() == 3 * 10  # the landed claims' bytes, counted
     # An answer that does not match its plan lands nothing.
     prep, _ = preps.begin(LinkerRequestContext("s", 0), list(PAGES), 30.0, False)
     (op,) = preps.fetch(prep, plan[1:], ids, None)

@@ -74,6 +74,18 @@ class Landed(dict[int, dict[str, ClaimedPage]]):
         objs[pool] = page
         self.ledger.bytes += page.nbytes - (0 if old is None else old.nbytes)
 
+    def add_pool(self, pool: str, pages: list[tuple[int, ClaimedPage]]) -> None:
+        """``add`` of each ``(index, page)`` of one pool, the ledger once."""
+        delta = 0
+        for index, page in pages:
+            objs = self.get(index)
+            if objs is None:
+                objs = self[index] = {}
+            old = objs.get(pool)
+            objs[pool] = page
+            delta += page.nbytes - (0 if old is None else old.nbytes)
+        self.ledger.bytes += delta
+
     def pop(self, index: int, default: Any = None) -> Any:
         objs = super().pop(index, None)
         if objs is None:

@@ -85,9 +85,11 @@ def plan_fetches(
         for pool in layout.pools:
             held = windows.get(pool.name)
             chosen = span if held is None else [i for i in span if pages[i] in held]
-            keys = [(i, layout.block_key(pages[i], pool.name)) for i in chosen]
-            local = [(i, k) for i, k in keys if k in residency]
-            remote = [(i, k) for i, k in keys if k not in residency]
+            local: list[tuple[int, bytes]] = []
+            remote: list[tuple[int, bytes]] = []
+            for i in chosen:
+                k = layout.block_key(pages[i], pool.name)
+                (local if k in residency else remote).append((i, k))
             for group, moved in ((local, False), (remote, True)):
                 if group:
                     out.append(

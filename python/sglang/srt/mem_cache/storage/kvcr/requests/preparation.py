@@ -400,11 +400,19 @@ def _land_taken(
     pages, claims, slots = owner.pages, taken.claims, taken.slots
     if not (len(pages) == len(claims) == len(slots)):
         return list(claims)
-    landed, pool, nbytes, parts = prep.landed, owner.pool, owner.page_bytes, owner.parts
-    for index, claim, slot in zip(pages, claims, slots, strict=True):
-        landed.add(
-            index, pool, ClaimedPage(claim, block_part_rows(slot, parts), nbytes)
-        )
+    nbytes, parts = owner.page_bytes, owner.parts
+    prep.landed.add_pool(
+        owner.pool,
+        [
+            (index, ClaimedPage(claim, block_part_rows(slot, parts), nbytes))
+            for index, claim, slot in zip(pages, claims, slots, strict=True)
+        ]
+        if parts > 1
+        else [
+            (index, ClaimedPage(claim, (slot,), nbytes))  # one span: its slot
+            for index, claim, slot in zip(pages, claims, slots, strict=True)
+        ],
+    )
     return []
 
 

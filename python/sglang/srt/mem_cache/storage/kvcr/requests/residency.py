@@ -49,9 +49,8 @@ class Residency:
 
     def holds(self, page_hash: str, pools: tuple[Any, ...]) -> bool:
         """Whether every pool of ``pools`` holds ``page_hash``'s object."""
-        return all(
-            self.layout.block_key(page_hash, p.name) in self._keys for p in pools
-        )
+        keys, block_key = self._keys, self.layout.block_key
+        return all(block_key(page_hash, p.name) in keys for p in pools)
 
     def on_inventory(self, change: InventoryChange) -> int:
         """Apply one inventory change; returns how many pages it evicted."""
