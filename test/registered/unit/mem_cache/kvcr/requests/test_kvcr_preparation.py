@@ -184,6 +184,11 @@ def test_claims_taken_in_one_pass_land_at_their_planned_pages():
     short = ClaimsTaken(op.op_id, keys[:1], [11], [1])
     assert preps.on_fetch_done(short, _parse) == [Release((11,))]
     assert prep.landed == {} and stats.late_claims_released == 1
+    # Nor one for other keys (here the planned ones in another order).
+    (op,) = preps.fetch(prep, plan[1:], ids, None)
+    swapped = ClaimsTaken(op.op_id, keys[::-1], [14, 15], [1, 2])
+    assert preps.on_fetch_done(swapped, _parse) == [Release((14, 15))]
+    assert prep.landed == {}
     # Nor does one for a preparation that is gone.
     prep, _ = preps.begin(LinkerRequestContext("t", 0), list(PAGES), 30.0, False)
     (op,) = preps.fetch(prep, plan[1:], ids, None)

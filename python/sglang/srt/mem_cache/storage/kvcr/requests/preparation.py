@@ -76,6 +76,7 @@ class FetchOwner:
     parts: int = 1  # spans per block: a claimed slot's rows of one span's size
     pool: str = ""  # the pool its keys are of (PoolFetch.pool)
     pages: tuple[int, ...] = ()  # each key's page index (PoolFetch.pages)
+    keys: tuple[bytes, ...] = ()  # the keys fetched (PoolFetch.keys)
 
 
 @dataclasses.dataclass(slots=True)
@@ -185,7 +186,7 @@ class Preparations:
             prep.pending_ops.add(op_id)
             # The DRAM it will claim (what an abandoned op still holds).
             self._owners[op_id] = FetchOwner(
-                prep.ctx.rid, claimed, f.page_bytes, f.parts, f.pool, f.pages
+                prep.ctx.rid, claimed, f.page_bytes, f.parts, f.pool, f.pages, f.keys
             )
             commands.append(
                 Fetch(
@@ -396,9 +397,9 @@ def _land_taken(
 ) -> list[ClaimId]:
     """Land a fetch answered in one pass (every key claimed, one slot each, in the
     order planned: ``owner.pages``); the claims to release (all of them when the
-    answer does not match the plan)."""
+    answer is not for the keys planned, in their order)."""
     pages, claims, slots = owner.pages, taken.claims, taken.slots
-    if not (len(pages) == len(claims) == len(slots)):
+    if taken.keys != owner.keys or not (len(pages) == len(claims) == len(slots)):
         return list(claims)
     nbytes, parts = owner.page_bytes, owner.parts
     prep.landed.add_pool(

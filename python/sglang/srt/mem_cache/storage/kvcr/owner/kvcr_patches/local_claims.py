@@ -11,8 +11,9 @@ takes the same claims with kvcr's own ``_acquire_claim`` and registers them as
 without the ``OpEntryResult`` and slot descriptors that method builds per key
 (two objects per page, most of what is left): it returns the handles and slot
 numbers. It updates the capacity pressure once as the fetch does (its empty
-``reserve_fill``); what it leaves out nets to nothing (the operation, its
-dependencies, the op counter and the completion). Anything else (a key not
+``reserve_fill``); what it leaves out (the operation, its dependencies and
+the completion) nets to nothing, and kvcr's operation counter, which only
+makes its handles unique, does not advance. Anything else (a key not
 READY, a layout that differs or is not one slot's, a repeated key, no local
 DRAM) changes nothing and returns None: the caller fetches through kvcr.
 ``page_fills.install`` refuses any kvcr but 0.1.1 and checks the names used here.
