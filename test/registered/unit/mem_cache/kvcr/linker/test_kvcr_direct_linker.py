@@ -26,6 +26,7 @@ from cpu_harness.kvcr_pages import (
 )
 from cpu_harness.kvcr_pages import fill_random as fill_pages
 from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRConfigError
+from sglang.srt.mem_cache.storage.kvcr.requests.fetch_plan import PoolFetch
 from sglang.srt.mem_cache.storage.kvcr.requests.preparation import FetchOwner
 from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
     LinkerRequestContext,
@@ -382,7 +383,9 @@ def test_reset_forgets_what_the_old_core_owed(pool):
         hashes = page_hashes(2, "owed")
         assert offload_and_commit(lk, hashes, [1, 2]) is True
         # An op of the old core, never to complete.
-        lk.preparations.abandon(10**9, FetchOwner("gone", 1 << 20))
+        lk.preparations.abandon(
+            10**9, FetchOwner("gone", 1 << 20, PoolFetch((), (), 0, moved=True))
+        )
         assert lk.abandoned_bytes() > 1
         lk.reset()
         assert lk.abandoned_bytes() == 0

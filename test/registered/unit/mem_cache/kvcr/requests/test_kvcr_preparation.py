@@ -189,6 +189,11 @@ def test_claims_taken_in_one_pass_land_at_their_planned_pages():
     swapped = ClaimsTaken(op.op_id, keys[::-1], [14, 15], [1, 2])
     assert preps.on_fetch_done(swapped, _parse) == [Release((14, 15))]
     assert prep.landed == {}
+    # Nor one whose claims and slots do not cover its keys.
+    (op,) = preps.fetch(prep, plan[1:], ids, None)
+    uncovered = ClaimsTaken(op.op_id, keys, [16], [1])
+    assert preps.on_fetch_done(uncovered, _parse) == [Release((16,))]
+    assert prep.landed == {}
     # Nor does one for a preparation that is gone.
     prep, _ = preps.begin(LinkerRequestContext("t", 0), list(PAGES), 30.0, False)
     (op,) = preps.fetch(prep, plan[1:], ids, None)

@@ -69,13 +69,11 @@ class Landed(dict[int, dict[str, ClaimedPage]]):
         self.ledger = ClaimLedger() if ledger is None else ledger
 
     def add(self, index: int, pool: str, page: ClaimedPage) -> None:
-        objs = self.setdefault(index, {})
-        old = objs.get(pool)
-        objs[pool] = page
-        self.ledger.bytes += page.nbytes - (0 if old is None else old.nbytes)
+        self.add_pool(pool, [(index, page)])
 
     def add_pool(self, pool: str, pages: list[tuple[int, ClaimedPage]]) -> None:
-        """``add`` of each ``(index, page)`` of one pool, the ledger once."""
+        """Each ``(index, page)`` of one pool (replacing what the index held in
+        it), the ledger updated once."""
         delta = 0
         for index, page in pages:
             objs = self.get(index)

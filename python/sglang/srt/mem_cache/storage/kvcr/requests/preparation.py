@@ -67,16 +67,13 @@ _MAX_HELD_TRACKED = 4096
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FetchOwner:
-    """The request a fetch in flight belongs to, and the DRAM it will claim
-    (``page_bytes`` for each of its keys)."""
+    """The request a fetch in flight belongs to, the DRAM it will claim, and
+    the plan it was made from (its keys, their pool and page indices, the bytes
+    and spans of each)."""
 
     rid: str
     claimed_bytes: int
-    page_bytes: int = 0
-    parts: int = 1  # spans per block: a claimed slot's rows of one span's size
-    pool: str = ""  # the pool its keys are of (PoolFetch.pool)
-    pages: tuple[int, ...] = ()  # each key's page index (PoolFetch.pages)
-    keys: tuple[bytes, ...] = ()  # the keys fetched (PoolFetch.keys)
+    fetch: PoolFetch
 
 
 @dataclasses.dataclass(slots=True)
@@ -185,9 +182,7 @@ class Preparations:
             claimed = len(f.keys) * f.page_bytes
             prep.pending_ops.add(op_id)
             # The DRAM it will claim (what an abandoned op still holds).
-            self._owners[op_id] = FetchOwner(
-                prep.ctx.rid, claimed, f.page_bytes, f.parts, f.pool, f.pages, f.keys
-            )
+            self._owners[op_id] = FetchOwner(prep.ctx.rid, claimed, f)
             commands.append(
                 Fetch(
                     op_id=op_id,
@@ -396,22 +391,17 @@ def _land_taken(
     prep: Preparation, owner: FetchOwner, taken: ClaimsTaken
 ) -> list[ClaimId]:
     """Land a fetch answered in one pass (every key claimed, one slot each, in the
-    order planned: ``owner.pages``); the claims to release (all of them when the
-    answer is not for the keys planned, in their order)."""
-    pages, claims, slots = owner.pages, taken.claims, taken.slots
-    if taken.keys != owner.keys or not (len(pages) == len(claims) == len(slots)):
+    order planned: ``PoolFetch.pages``); the claims to release (all of them when
+    the answer is not for the keys planned, in their order)."""
+    f, claims, slots = owner.fetch, taken.claims, taken.slots
+    if taken.keys != f.keys or not (len(f.pages) == len(claims) == len(slots)):
         return list(claims)
-    nbytes, parts = owner.page_bytes, owner.parts
+    nbytes, parts = f.page_bytes, f.parts
     prep.landed.add_pool(
-        owner.pool,
+        f.pool,
         [
             (index, ClaimedPage(claim, block_part_rows(slot, parts), nbytes))
-            for index, claim, slot in zip(pages, claims, slots, strict=True)
-        ]
-        if parts > 1
-        else [
-            (index, ClaimedPage(claim, (slot,), nbytes))  # one span: its slot
-            for index, claim, slot in zip(pages, claims, slots, strict=True)
+            for index, claim, slot in zip(f.pages, claims, slots, strict=True)
         ],
     )
     return []
@@ -426,7 +416,7 @@ def _land_entries(
     """Land a kvcr fetch's per-key answers; the claims nobody can use (a key
     that failed, is not this preparation's, or is not one slot)."""
     late: list[ClaimId] = []
-    nbytes, parts, index_of = owner.page_bytes, owner.parts, prep.index_of
+    nbytes, parts, index_of = owner.fetch.page_bytes, owner.fetch.parts, prep.index_of
     for key, entry in done.entries.items():
         if (claim := entry.claim) is None:
             continue
