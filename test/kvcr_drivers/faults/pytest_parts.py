@@ -11,6 +11,8 @@ the part passes only when every expected test ran and passed).
   serving goes on and every answer equals the recompute.
 - ``validate`` (``-m scenario``, ``test_kvcr_e2e.py``): the validation driver's
   local round trip and hinted peer reuse, outputs equal to a no-linker server.
+- ``digest`` (``-m scenario``, ``test_kvcr_digest_e2e.py``): three linker servers;
+  a hinted fetch restores only between workers whose KV bytes agree.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ PARTS = {
     "multihost": ("netns", "fleet/test_kvcr_multihost.py", 5),
     "injection": ("server_faults", "e2e/test_kvcr_fault_injection_e2e.py", 5),
     "validate": ("scenario", "e2e/test_kvcr_e2e.py", 1),
+    "digest": ("scenario", "e2e/test_kvcr_digest_e2e.py", 1),
 }
 TIMEOUT_S = 1800
 INTERRUPT_GRACE_S = 180

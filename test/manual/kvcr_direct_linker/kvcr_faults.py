@@ -35,9 +35,14 @@ device-copy fault.
    local round trip, hinted peer reuse and no-hint control against a no-linker
    server, in one run (make test covers most of it in smaller server tests,
    without the no-linker comparison; this scenario takes two minutes on 2 cores).
+9. Digest: ``e2e/test_kvcr_digest_e2e.py`` (``-m scenario``): three linker
+   servers; a hinted fetch restores only between workers whose KV bytes agree,
+   through a weight update and back (two minutes on 2 cores; make test covers the
+   digest in ``layout/test_kvcr_digest.py`` and hinted restores in smaller server
+   tests).
 
 Writes a JSON report (top-level ``scenarios``, ``soak``, ``fuzz``, ``injection``,
-``multihost``, ``validate``);
+``multihost``, ``validate``, ``digest``);
 the last line printed is ``REPORT <path>``. Exits non-zero when anything failed.
 """
 
@@ -73,6 +78,7 @@ PARTS = (
     "interop",
     "multihost",
     "validate",
+    "digest",
 )
 
 
@@ -167,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[faults]   interop checks: {json.dumps(interop['checks'])}", flush=True)
     multihost = pytest_part("multihost")
     validate = pytest_part("validate")
+    digest = pytest_part("digest")
     wall = time.monotonic() - started
     fuzz_ok = "fuzz" in skip or (
         bool(fuzz)
@@ -183,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         and ("interop" in skip or interop["passed"])
         and ("multihost" in skip or multihost["passed"])
         and ("validate" in skip or validate["passed"])
+        and ("digest" in skip or digest["passed"])
     )
     body = {
         "passed": ok,
@@ -194,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         "interop": interop,
         "multihost": multihost,
         "validate": validate,
+        "digest": digest,
         "timings_s": {**timings, "total": round(wall, 1)},
         "config": dict(vars(args)),
         "env": {

@@ -7,7 +7,8 @@ path. B fetches A's pages (same content, other path: shared); after B's
 own recompute; after updating back to the copy it shares again (the digest follows
 the checkpoint content through the flush that re-keys KVCR). A third server, C,
 differs from A only by ``--json-model-override-args`` and fetches nothing. The
-three boot in parallel (about 2-3 minutes on 2 cores).
+three boot in parallel (about 2 minutes on 2 cores): opt-in (``-m scenario``),
+run by ``make faults`` (its ``digest`` part), not by ``make test``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -26,21 +28,26 @@ from cpu_harness.kvcr_pages import fetch_hint as page_hint
 from cpu_harness.kvcr_servers import PAGE, computed_on, recompute, run
 from cpu_harness.kvcr_servers import launch_linker as launch
 
-pytestmark = [pytest.mark.server, pytest.mark.kvcr]
+pytestmark = [pytest.mark.server, pytest.mark.kvcr, pytest.mark.scenario]
 
 PROMPT_LEN = 256
 ALIGNED = (PROMPT_LEN - 1) // PAGE * PAGE
 OVERRIDE = json.dumps({"rope_theta": 1234.0})
 
 
-def fetch_hint(endpoint: str, ids: list[int]) -> dict:
-    """A hint naming ``endpoint`` for the whole pages of ``ids`` (storage hashes:
-    a plain request publishes exactly these)."""
+def hint_maker() -> Callable[[str, list[int]], dict]:
+    """``fetch_hint(endpoint, ids)``: a hint naming ``endpoint`` for the whole pages
+    of ``ids`` (storage hashes: a plain request publishes exactly these). Made
+    before the servers boot: a cold SGLang import next to three idle servers on 2
+    cores takes over a minute, and the first hint would wait for it."""
     from sglang.srt.mem_cache.radix_cache import RadixKey
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    hashes = get_storage_hash_str(RadixKey(ids[:ALIGNED]), None, page_size=PAGE)
-    return page_hint(endpoint, hashes)
+    def fetch_hint(endpoint: str, ids: list[int]) -> dict:
+        hashes = get_storage_hash_str(RadixKey(ids[:ALIGNED]), None, page_size=PAGE)
+        return page_hint(endpoint, hashes)
+
+    return fetch_hint
 
 
 def update_weights(server: Any, path: Path) -> None:
@@ -50,6 +57,7 @@ def update_weights(server: Any, path: Path) -> None:
 
 def test_hinted_fetch_restores_only_between_workers_with_equal_kv(tmp_path):
     rng = random.Random(7)
+    fetch_hint = hint_maker()
 
     def prompt() -> list[int]:
         return [rng.randrange(3, 300) for _ in range(PROMPT_LEN)]
