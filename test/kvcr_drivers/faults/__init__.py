@@ -13,6 +13,8 @@ nothing is mocked except one injected device-copy fault.
 ``suite``          the fast scenarios in ``make test``'s order
 ``soak``, ``tp2``, ``fuzz``: the server-based and pytest-based parts
 ``pytest_parts``   opt-in pytest modules run as parts: ``multihost`` (linker servers
-                   in network namespaces, root only) and ``injection`` (faults
-                   injected into a running linker server)
+                   in network namespaces, root only), ``injection`` (faults
+                   injected into a running linker server), ``validate`` (the
+                   validation driver's scenario) and ``digest`` (three servers:
+                   hinted restores only between workers with equal KV)
 """

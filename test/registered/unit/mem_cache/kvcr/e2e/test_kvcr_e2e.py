@@ -4,8 +4,8 @@ Opt-in (``-m scenario``, run by ``make faults``, and the same driver runs in
 ``make demo`` and ``make validate``): two minutes of three server start-ups on 2
 cores. ``make test`` covers most of it in smaller server tests: the local replay
 (against the same server's first answer) in ``test_kvcr_server_smoke``, the
-hinted peer restore in ``test_kvcr_digest_e2e``, ``test_kvcr_event_hints_e2e``
-and ``test_kvcr_kv_event_router``. Only here are both compared with a server
+hinted peer restore in ``test_kvcr_event_hints_e2e`` and
+``test_kvcr_kv_event_router``. Only here are both compared with a server
 without the linker, and a peer without a hint shown to restore nothing."""
 
 from __future__ import annotations
