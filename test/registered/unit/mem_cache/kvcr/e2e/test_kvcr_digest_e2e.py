@@ -33,6 +33,7 @@ pytestmark = [pytest.mark.server, pytest.mark.kvcr, pytest.mark.scenario]
 PROMPT_LEN = 256
 ALIGNED = (PROMPT_LEN - 1) // PAGE * PAGE
 OVERRIDE = json.dumps({"rope_theta": 1234.0})
+SLEEP = ("--sleep-on-idle",)
 
 
 def hint_maker() -> Callable[[str, list[int]], dict]:
@@ -71,11 +72,15 @@ def test_hinted_fetch_restores_only_between_workers_with_equal_kv(tmp_path):
 
     servers: list[Any] = []
     try:
-        a = launch("a", a_path, tmp_path)
+        # Three idle schedulers spinning on 2 cores starve kvcr's progress loops
+        # past operation_timeout_ms (docs: Troubleshooting), restarting KVCR.
+        a = launch("a", a_path, tmp_path, SLEEP)
         servers.append(a)
-        b = launch("b", copy, tmp_path)
+        b = launch("b", copy, tmp_path, SLEEP)
         servers.append(b)
-        c = launch("c", a_path, tmp_path, ("--json-model-override-args", OVERRIDE))
+        c = launch(
+            "c", a_path, tmp_path, (*SLEEP, "--json-model-override-args", OVERRIDE)
+        )
         servers.append(c)
         for handle in servers:
             handle.wait_ready(420)
