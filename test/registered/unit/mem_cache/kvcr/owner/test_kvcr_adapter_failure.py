@@ -9,6 +9,7 @@ call the owner thread makes, so every path is deterministic.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 import types
@@ -208,9 +209,10 @@ def test_commands_taken_but_not_run_when_a_command_raises_are_answered():
     assert kv.started == []
 
 
-def test_source_writes_off_until_restart_asks_for_a_restart():
+def test_source_writes_off_until_restart_asks_for_a_restart(caplog):
     """kvcr's "new source writes disabled until restart" resilience event sets
-    restart_wanted; any other resilience event is only counted."""
+    restart_wanted, and its log line names the fix for a starved progress loop;
+    any other resilience event is only counted."""
     kv = FlakyKVCR()
     adapter = _adapter(kv)
     try:
@@ -221,8 +223,12 @@ def test_source_writes_off_until_restart_asks_for_a_restart():
             "KVCR source progress stalled for 1200.0 ms (timeout: 1000 ms); "
             "new source writes disabled until restart"
         )
-        adapter.call(lambda _kv: event(stalled))
+        with caplog.at_level(logging.ERROR):
+            adapter.call(lambda _kv: event(stalled))
         assert adapter.restart_wanted is True
+        [line] = [r.getMessage() for r in caplog.records if "restart" in r.getMessage()]
+        assert "stalled for 1200.0 ms" in line
+        assert "--sleep-on-idle" in line and "operation_timeout_ms" in line
         assert adapter.stats().resilience_events == 2
         assert not adapter.failed
     finally:

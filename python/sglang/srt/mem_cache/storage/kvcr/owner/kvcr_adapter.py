@@ -349,7 +349,9 @@ class KVCRAdapter:
             self._stats.resilience_events += 1
         if kvcr_patches.needs_restart(exc):
             self.restart_wanted = True
-            logger.error("KVCR needs a restart: %s", exc)
+            logger.error(
+                "KVCR needs a restart: %s%s", exc, kvcr_patches.restart_hint(exc)
+            )
         else:
             logger.warning("KVCR resilience event: %s", exc)
 

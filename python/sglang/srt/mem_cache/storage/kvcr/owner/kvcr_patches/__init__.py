@@ -25,7 +25,8 @@ for SGLang's).
 - Whether a resilience event means this KVCR must be restarted
   (``needs_restart``): after a source-progress gap kvcr turns the worker's source
   writes off "until restart" and says so only in the error's text
-  (``kvcr/dangling_ops.py``, ``check_source_progress``).
+  (``kvcr/dangling_ops.py``, ``check_source_progress``); ``restart_hint`` adds
+  what an operator can do about such a gap.
 
 Modules beside this one each patch one more part of kvcr, among them
 ``completion_senders`` (a pull's completion only from the agent it was sent to),
@@ -120,6 +121,22 @@ def needs_restart(exc: BaseException) -> bool:
     """Whether kvcr reported, through its resilience callback, a state only a new
     KVCR leaves (this worker's source writes are off until restart)."""
     return _SOURCE_WRITES_OFF in str(exc)
+
+
+_PROGRESS_STALLED = "source progress stalled"
+
+
+def restart_hint(exc: BaseException) -> str:
+    """The fix for the restart ``exc`` asks for, when its text says the cause: a
+    progress loop that went ``operation_timeout_ms`` without running was starved
+    of CPU (measured: idle SGLang schedulers each spin a core); '' otherwise."""
+    if _PROGRESS_STALLED not in str(exc):
+        return ""
+    return (
+        " (kvcr's progress thread did not run for that long: the host's cores "
+        "are oversubscribed; idle SGLang schedulers each spin a core unless "
+        "started with --sleep-on-idle; or raise operation_timeout_ms)"
+    )
 
 
 def public_claims(kv: Any) -> int:
