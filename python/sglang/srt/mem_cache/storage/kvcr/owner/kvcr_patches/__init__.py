@@ -133,9 +133,9 @@ def restart_hint(exc: BaseException) -> str:
     if _PROGRESS_STALLED not in str(exc):
         return ""
     return (
-        " (kvcr's progress thread did not run for that long: the host's cores "
-        "are oversubscribed; idle SGLang schedulers each spin a core unless "
-        "started with --sleep-on-idle; or raise operation_timeout_ms)"
+        " (kvcr's progress loop did not poll for that long; most likely the "
+        "host's cores are oversubscribed: idle SGLang schedulers each spin a "
+        "core unless started with --sleep-on-idle; or raise operation_timeout_ms)"
     )
 
 
