@@ -332,3 +332,24 @@ def as_op_done(item: Any) -> Any:
         for key, claim, slot in zip(item.keys, item.claims, item.slots, strict=True)
     }
     return OpDone(item.op_id, OpKind.FETCH, entries)
+
+
+def kvcr_stall_error(timeout_ms: int, gap_s: float) -> Exception:
+    """The error kvcr 0.1.1's own stall check (``_DanglingOps``) raises for a
+    progress loop that last polled ``gap_s`` ago: its wording, not a copy."""
+    import time
+    import types
+
+    from kvcr.dangling_ops import _DanglingOps
+
+    backend = types.SimpleNamespace(
+        _kvcr=types.SimpleNamespace(
+            config=types.SimpleNamespace(operation_timeout_ms=timeout_ms)
+        ),
+        _progress_outbound=[],
+    )
+    ops = _DanglingOps(backend)
+    ops._last_progress_at = time.monotonic() - gap_s
+    assert not ops.check_source_progress()
+    [error] = backend._progress_outbound
+    return error

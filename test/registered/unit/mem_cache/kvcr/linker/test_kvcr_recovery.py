@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cpu_harness import kvcr_stack
 from cpu_harness.kvcr_pages import fill_random as fill_pages
 from cpu_harness.kvcr_pages import (
     hashes_for,
@@ -41,10 +42,7 @@ from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
 pytestmark = pytest.mark.kvcr
 
 
-STALLED = RuntimeError(
-    "KVCR source progress stalled for 5000.0 ms (timeout: 5000 ms); "
-    "new source writes disabled until restart"
-)
+STALLED = kvcr_stack.kvcr_stall_error(timeout_ms=5000, gap_s=5.0)
 
 
 def _kvcr(linker):

@@ -209,24 +209,6 @@ def test_commands_taken_but_not_run_when_a_command_raises_are_answered():
     assert kv.started == []
 
 
-def _kvcr_stall_error(timeout_ms: int, gap_s: float) -> Exception:
-    """The error kvcr 0.1.1's own stall check raises for a progress loop that
-    last polled ``gap_s`` ago (its wording, not a copy of it)."""
-    from kvcr.dangling_ops import _DanglingOps
-
-    backend = types.SimpleNamespace(
-        _kvcr=types.SimpleNamespace(
-            config=types.SimpleNamespace(operation_timeout_ms=timeout_ms)
-        ),
-        _progress_outbound=[],
-    )
-    ops = _DanglingOps(backend)
-    ops._last_progress_at = time.monotonic() - gap_s
-    assert not ops.check_source_progress()
-    [error] = backend._progress_outbound
-    return error
-
-
 def test_source_writes_off_until_restart_asks_for_a_restart(caplog):
     """kvcr's "new source writes disabled until restart" resilience event sets
     restart_wanted, and its log line names the fix for a starved progress loop;
@@ -237,7 +219,7 @@ def test_source_writes_off_until_restart_asks_for_a_restart(caplog):
         event = kv.callbacks.on_resilience_event
         adapter.call(lambda _kv: event(RuntimeError("peer transfer failed")))
         assert adapter.restart_wanted is False
-        stalled = _kvcr_stall_error(timeout_ms=1000, gap_s=1.2)
+        stalled = kvcr_stack.kvcr_stall_error(timeout_ms=1000, gap_s=1.2)
         with caplog.at_level(logging.ERROR):
             adapter.call(lambda _kv: event(stalled))
         assert adapter.restart_wanted is True
