@@ -3,9 +3,10 @@
 ``TARGETS`` are the issue's thresholds per metric (None: informational);
 ``metric`` builds the record the report's ``metrics`` list holds and the docs'
 figures table names; ``pct`` / ``dist`` summarize a list of samples (every
-section's and the decode ITL's). ``busy_fraction`` / ``wait_for_quiet`` /
-``thread_cpu_pct`` read /proc (``machine_cpu_ticks``, ``proc_stat``) so a section
-can wait for a quiet machine and say what it saw.
+section's and the decode ITL's) and ``ratio_ci`` bounds a ratio of their medians.
+``busy_fraction`` / ``wait_for_quiet`` / ``thread_cpu_pct`` read /proc
+(``machine_cpu_ticks``, ``proc_stat``) so a section can wait for a quiet machine
+and say what it saw.
 """
 
 from __future__ import annotations
@@ -118,6 +119,33 @@ def dist(values: list[float], digits: int = 3) -> dict[str, Any]:
         "min": round(min(values), digits),
         "max": round(max(values), digits),
     }
+
+
+def ratio_ci(
+    a: list[float],
+    b: list[float],
+    level: float = 0.9,
+    reps: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Bootstrap ``level`` interval of median(a) / median(b) over paired samples
+    (round ``i`` of ``a`` with round ``i`` of ``b``, resampled together): how far
+    the ratio of medians moves with the rounds a run happened to draw. A target
+    bound inside the interval is one this run cannot tell apart."""
+    if len(a) != len(b) or len(a) < 2:
+        raise ValueError("ratio_ci needs two paired lists of at least 2 samples")
+    rng = random.Random(seed)
+    n = len(a)
+    ratios = []
+    for _ in range(reps):
+        pick = [rng.randrange(n) for _ in range(n)]
+        ratios.append(
+            statistics.median([a[i] for i in pick])
+            / statistics.median([b[i] for i in pick])
+        )
+    ratios.sort()
+    tail = (1.0 - level) / 2
+    return ratios[int(tail * reps)], ratios[min(reps - 1, int((1 - tail) * reps))]
 
 
 def gbps(nbytes: int, seconds: float) -> float:

@@ -226,6 +226,15 @@ def report(
             + ", ".join(f"{k}={v:.1f}" for k, v in serving["median_ttft_ms"].items())
             + split
         )
+        zero_hit = next(
+            (m for m in metrics if m["name"] == "zero_hit_ttft_ratio"), {}
+        )
+        if zero_hit.get("ratio_ci90"):
+            low, high = zero_hit["ratio_ci90"]
+            print(
+                f"zero-hit TTFT ratio {zero_hit['ratio']}, 90% bootstrap interval "
+                f"over its rounds [{low}, {high}]"
+            )
     itl = serving.get("decode_itl", {}).get("summary")
     if itl:
         moved = serving["decode_itl"]["kvcr_offloaded_during_phase"]

@@ -26,6 +26,7 @@ from kvcr_drivers.bench.metrics import (
     metric,
     pct,
     proc_stat,
+    ratio_ci,
 )
 from kvcr_drivers.bench.pools import MIB
 
@@ -409,6 +410,7 @@ def zero_hit_details(
             with_linker_range_ms=[min(ttft["kvcr"]), max(ttft["kvcr"])],
             without_linker_range_ms=[min(ttft["none"]), max(ttft["none"])],
             pair_ratio_p50=details["pair_ratio"]["p50"],
+            ratio_ci90=[round(x, 4) for x in ratio_ci(ttft["kvcr"], ttft["none"])],
             vs_python_tree_core=details["ratio_kvcr_vs_python_tree_core"],
             vs_sglang_linker_mode=details["ratio_kvcr_vs_sglang_linker_mode"],
             quiet_rounds=details["quiet_rounds"],
