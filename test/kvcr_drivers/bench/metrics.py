@@ -134,6 +134,10 @@ def ratio_ci(
     bound inside the interval is one this run cannot tell apart."""
     if len(a) != len(b) or len(a) < 2:
         raise ValueError("ratio_ci needs two paired lists of at least 2 samples")
+    if not 0.0 < level < 1.0 or reps < 1:
+        raise ValueError(
+            f"ratio_ci needs 0 < level < 1 and reps >= 1, not {level}, {reps}"
+        )
     rng = random.Random(seed)
     n = len(a)
     ratios = []
@@ -144,8 +148,9 @@ def ratio_ci(
             / statistics.median([b[i] for i in pick])
         )
     ratios.sort()
-    tail = (1.0 - level) / 2
-    return ratios[int(tail * reps)], ratios[min(reps - 1, int((1 - tail) * reps))]
+    # As many resamples left out on each side, low end never past the high.
+    k = min((reps - 1) // 2, round((1.0 - level) / 2 * reps))
+    return ratios[k], ratios[reps - 1 - k]
 
 
 def gbps(nbytes: int, seconds: float) -> float:

@@ -233,7 +233,8 @@ def report(
             low, high = zero_hit["ratio_ci90"]
             print(
                 f"zero-hit TTFT ratio {zero_hit['ratio']}, 90% bootstrap interval "
-                f"over its rounds [{low}, {high}]"
+                f"over its {zero_hit['samples']} rounds [{low}, {high}]"
+                + (" (noisy: every round, busy ones too)" if zero_hit["noisy"] else "")
             )
     itl = serving.get("decode_itl", {}).get("summary")
     if itl:
