@@ -121,23 +121,13 @@ def dist(values: list[float], digits: int = 3) -> dict[str, Any]:
     }
 
 
-def ratio_ci(
-    a: list[float],
-    b: list[float],
-    level: float = 0.9,
-    reps: int = 2000,
-    seed: int = 0,
-) -> tuple[float, float]:
-    """Bootstrap ``level`` interval of median(a) / median(b) over paired samples
-    (round ``i`` of ``a`` with round ``i`` of ``b``, resampled together): how far
-    the ratio of medians moves with the rounds a run happened to draw. A target
-    bound inside the interval is one this run cannot tell apart."""
+def bootstrap_ratios(
+    a: list[float], b: list[float], reps: int = 2000, seed: int = 0
+) -> list[float]:
+    """median(a) / median(b) over ``reps`` paired resamples (round ``i`` of ``a``
+    with round ``i`` of ``b``, drawn together), sorted."""
     if len(a) != len(b) or len(a) < 2:
         raise ValueError("ratio_ci needs two paired lists of at least 2 samples")
-    if not 0.0 < level < 1.0 or reps < 1:
-        raise ValueError(
-            f"ratio_ci needs 0 < level < 1 and reps >= 1, not {level}, {reps}"
-        )
     rng = random.Random(seed)
     n = len(a)
     ratios = []
@@ -147,7 +137,25 @@ def ratio_ci(
             statistics.median([a[i] for i in pick])
             / statistics.median([b[i] for i in pick])
         )
-    ratios.sort()
+    return sorted(ratios)
+
+
+def ratio_ci(
+    a: list[float],
+    b: list[float],
+    level: float = 0.9,
+    reps: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Bootstrap ``level`` interval of median(a) / median(b) over paired samples
+    (``bootstrap_ratios``): how far the ratio of medians moves with the rounds a
+    run happened to draw. A target bound inside the interval is one this run
+    cannot tell apart."""
+    if not 0.0 < level < 1.0 or reps < 1:
+        raise ValueError(
+            f"ratio_ci needs 0 < level < 1 and reps >= 1, not {level}, {reps}"
+        )
+    ratios = bootstrap_ratios(a, b, reps, seed)
     # As many resamples left out on each side, low end never past the high.
     k = min((reps - 1) // 2, round((1.0 - level) / 2 * reps))
     return ratios[k], ratios[reps - 1 - k]
