@@ -20,6 +20,7 @@ from kvcr_drivers.bench.hint_hooks import bench_hint, bench_hooks
 from kvcr_drivers.bench.metrics import metric, target_of, wait_for_quiet
 from kvcr_drivers.bench.serving_micro import bench_serving
 from kvcr_drivers.bench.transfer import bench_transfer
+from kvcr_drivers.bench.zero_hit_stages import NAME as NAME_BY_PARTS
 
 SECTION_NAMES = ("serving", "copy", "prepare", "hint", "hooks", "transfer")
 # Skipped unless --skip says otherwise: on cuda every section but transfer (the
@@ -44,6 +45,7 @@ SECTIONS: tuple[tuple[str, Callable[..., None], tuple[str, ...]], ...] = (
             "write_through_pages_per_s",
             "write_through_refusals",
             "zero_hit_ttft_ratio",
+            "zero_hit_ttft_ratio_outside_forward",
         ),
     ),
     (
@@ -70,6 +72,7 @@ PREPARE_METRICS = (
 )
 UNITS = {
     "zero_hit_ttft_ratio": "ms",
+    "zero_hit_ttft_ratio_outside_forward": "ms",
     "restore_copy_vs_torch_copy": "GB/s",
     "offload_vs_nixl_loopback": "GB/s",
     "zero_hit_owner_commands": "count",
@@ -195,8 +198,9 @@ def report(
     path.write_text(json.dumps(body, indent=2))
     picture = plot.write_png(body, path)  # beside the JSON; never raises
     print()
+    width = max([28, *(len(m["name"]) for m in metrics)])
     print(
-        f"{'metric':<28} {'value':>10} {'unit':<6} {'baseline':>10} {'ratio':>7} "
+        f"{'metric':<{width}} {'value':>10} {'unit':<6} {'baseline':>10} {'ratio':>7} "
         f"{'target':<16} result"
     )
 
@@ -206,7 +210,7 @@ def report(
     for m in metrics:
         result = {True: "PASS", False: "FAIL", None: "info"}[m["passed"]]
         print(
-            f"{m['name']:<28} {fmt(m['value']):>10} {m['unit']:<6} "
+            f"{m['name']:<{width}} {fmt(m['value']):>10} {m['unit']:<6} "
             f"{fmt(m['baseline']):>10} {fmt(m['ratio']):>7} "
             f"{m['target'] or '-':<16} {result}"
             + (f"  ({m['error'][:80]})" if m.get("error") else "")
@@ -226,15 +230,21 @@ def report(
             + ", ".join(f"{k}={v:.1f}" for k, v in serving["median_ttft_ms"].items())
             + split
         )
-        zero_hit = next(
-            (m for m in metrics if m["name"] == "zero_hit_ttft_ratio"), {}
-        )
+        zero_hit = next((m for m in metrics if m["name"] == "zero_hit_ttft_ratio"), {})
         if zero_hit.get("ratio_ci90"):
             low, high = zero_hit["ratio_ci90"]
             print(
                 f"zero-hit TTFT ratio {zero_hit['ratio']}, 90% bootstrap interval "
                 f"over its {zero_hit['samples']} rounds [{low}, {high}]"
                 + (" (noisy: every round, busy ones too)" if zero_hit["noisy"] else "")
+            )
+        parts = next((m for m in metrics if m["name"] == NAME_BY_PARTS), {})
+        if parts.get("stages"):
+            print(
+                "zero-hit added ms by stage (paired medians): "
+                + ", ".join(f"{k}={v}" for k, v in parts["stages"].items())
+                + f"; outside the forward {parts['added_ms']} ms, ratio "
+                f"{parts['ratio']} {parts['ratio_ci90']} (by parts, not the target)"
             )
     itl = serving.get("decode_itl", {}).get("summary")
     if itl:

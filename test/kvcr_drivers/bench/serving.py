@@ -134,6 +134,31 @@ def stream_ttft(
         "device_cached_tokens": int(details.get("device", 0) or 0),
         "external_cached_tokens": int(details.get("host", 0) or 0),
         "output_tokens": len(last.get("output_ids") or []),
+        "stages_ms": request_stages(meta),
+    }
+
+
+# SGLang's own timestamps of one request (``--enable-metrics``; seconds, each
+# process's clock put on the wall clock), in the order a request passes them.
+STAGE_MARKS = (
+    "request_received_ts",  # the HTTP server has the request
+    "api_server_dispatch_finish_ts",  # tokenized and sent to the scheduler
+    "forward_entry_time",  # in a batch about to run (scheduler)
+    "prefill_finished_time",  # its prefill's result is being processed
+    "request_finished_ts",  # its output is back in the HTTP server
+)
+STAGES = ("tokenizer", "before_forward", "forward", "after_forward")
+
+
+def request_stages(meta: dict[str, Any]) -> dict[str, float] | None:
+    """Milliseconds between consecutive ``STAGE_MARKS`` (``STAGES``), or None when
+    the server did not report every mark (no ``--enable-metrics``)."""
+    marks = [meta.get(k) for k in STAGE_MARKS]
+    if not all(isinstance(m, (int, float)) and m > 0 for m in marks):
+        return None
+    return {
+        name: round((end - start) * 1000.0, 4)
+        for name, start, end in zip(STAGES, marks[:-1], marks[1:], strict=True)
     }
 
 

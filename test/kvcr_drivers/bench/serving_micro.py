@@ -18,7 +18,7 @@ from typing import Any
 from cpu_harness import server as harness
 from cpu_harness.server import REPO
 from cpu_harness.tiny_model import ensure_tiny_model
-from kvcr_drivers.bench import decode_itl, serving, serving_replay
+from kvcr_drivers.bench import decode_itl, serving, serving_replay, zero_hit_stages
 from kvcr_drivers.bench.metrics import (
     cpu_ticks,
     dist,
@@ -226,6 +226,9 @@ def bench_serving(
         "4",
         "--chunked-prefill-size",
         str(serving.prefill_chunk(args.ttft_prompt_len, args.ttft_page_size)),
+        # SGLang's request timestamps, for where the zero-hit time goes
+        # (zero_hit_stages); on every server alike.
+        "--enable-metrics",
     ]
     linker_args = harness.kvcr_linker_args(
         serving.kvcr_linker_config(256 * MIB, 10000, {})
@@ -417,3 +420,5 @@ def zero_hit_details(
             noisy=details["noisy"],
         )
     )
+    details["stages"] = zero_hit_stages.stage_split(used)
+    metrics.append(zero_hit_stages.stage_metric(details["stages"], med["none"]))
