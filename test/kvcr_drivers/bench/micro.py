@@ -18,6 +18,7 @@ from kvcr_drivers.bench import plot
 from kvcr_drivers.bench.copy_prepare import bench_copy_and_prepare
 from kvcr_drivers.bench.hint_hooks import bench_hint, bench_hooks
 from kvcr_drivers.bench.metrics import metric, target_of, wait_for_quiet
+from kvcr_drivers.bench.serving import STAGES
 from kvcr_drivers.bench.serving_micro import bench_serving
 from kvcr_drivers.bench.transfer import bench_transfer
 from kvcr_drivers.bench.zero_hit_stages import NAME as NAME_BY_PARTS
@@ -245,6 +246,15 @@ def report(
                 + ", ".join(f"{k}={v}" for k, v in parts["stages"].items())
                 + f"; outside the forward {parts['added_ms']} ms, ratio "
                 f"{parts['ratio']} {parts['ratio_ci90']} (by parts, not the target)"
+            )
+        over_mode = serving.get("stages_vs_sglang_linker_mode")
+        if over_mode:
+            print(
+                "  of it over SGLang's linker mode (null linker), ms: "
+                + ", ".join(
+                    f"{k}={over_mode[k]['added_ms']}"
+                    for k in (*STAGES, "outside_forward")
+                )
             )
     itl = serving.get("decode_itl", {}).get("summary")
     if itl:

@@ -421,4 +421,8 @@ def zero_hit_details(
         )
     )
     details["stages"] = zero_hit_stages.stage_split(used)
+    if "null_linker" in names:  # what kvcr adds over SGLang's linker mode alone
+        details["stages_vs_sglang_linker_mode"] = zero_hit_stages.stage_split(
+            used, base="null_linker"
+        )
     metrics.append(zero_hit_stages.stage_metric(details["stages"], med["none"]))

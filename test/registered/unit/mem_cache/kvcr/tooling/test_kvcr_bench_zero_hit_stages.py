@@ -48,11 +48,17 @@ def test_a_server_without_every_mark_gives_no_stages(missing):
     assert request_stages({**meta, missing: 0.0}) is None  # unset: SGLang's 0.0
 
 
-def rounds_with(before: float, after: float, n: int = 80, seed: int = 1) -> list[dict]:
+def rounds_with(
+    before: float, after: float, n: int = 80, seed: int = 1, mode: float | None = None
+) -> list[dict]:
     """Rounds whose forward swings by tens of ms (unrelated per arm) while kvcr
-    adds ``before`` ms ahead of the forward and ``after`` ms behind it."""
+    adds ``before`` ms ahead of the forward and ``after`` ms behind it (and a
+    null-linker arm, when ``mode`` is given, ``mode`` ms ahead of it)."""
     rng = random.Random(seed)
     rounds = []
+    arm_extras = [("none", (0.0, 0.0)), ("kvcr", (before, after))]
+    if mode is not None:
+        arm_extras.append(("null_linker", (mode, 0.0)))
     for _ in range(n):
         base = [
             rng.uniform(0.4, 0.6),
@@ -61,7 +67,7 @@ def rounds_with(before: float, after: float, n: int = 80, seed: int = 1) -> list
             rng.uniform(2.5, 4.5),
         ]
         arms = {}
-        for name, extra in (("none", (0.0, 0.0)), ("kvcr", (before, after))):
+        for name, extra in arm_extras:
             gaps = [
                 base[0],
                 base[1] + extra[0],
@@ -109,6 +115,21 @@ def test_the_metric_is_informational_and_its_ratio_is_the_added_time_over_the_me
         "after_forward",
     }
     assert details["stages"]["rounds"] == 80
+
+
+def test_with_a_null_linker_arm_the_split_also_says_what_kvcr_adds_over_it():
+    rounds = rounds_with(0.7, 0.0, mode=0.3)
+    args = argparse.Namespace(quiet_round_busy=0.5, ttft_prompts=80)
+    details: dict = {}
+    zero_hit_details(args, details, rounds, ["none", "null_linker", "kvcr"], [])
+    over = details["stages_vs_sglang_linker_mode"]["before_forward"]["added_ms"]
+    assert over == pytest.approx(0.4, abs=0.01)
+    assert details["stages"]["before_forward"]["added_ms"] == pytest.approx(
+        0.7, abs=0.01
+    )
+    details = {}
+    zero_hit_details(args, details, rounds_with(0.7, 0.0), ["none", "kvcr"], [])
+    assert "stages_vs_sglang_linker_mode" not in details
 
 
 def test_the_split_uses_only_the_rounds_the_ratio_uses():
