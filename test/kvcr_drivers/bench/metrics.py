@@ -127,9 +127,9 @@ def dist(values: list[float], digits: int = 3) -> dict[str, Any]:
 
 
 def bootstrap_paired(
-    a: list[float],
-    b: list[float],
-    statistic: Callable[[list[float], list[float]], float],
+    a: list[Any],
+    b: list[Any],
+    statistic: Callable[[list[Any], list[Any]], float],
     reps: int = 2000,
     seed: int = 0,
 ) -> list[float]:
@@ -163,9 +163,9 @@ def bootstrap_ratios(
 
 
 def paired_ci(
-    a: list[float],
-    b: list[float],
-    statistic: Callable[[list[float], list[float]], float] = ratio_of_medians,
+    a: list[Any],
+    b: list[Any],
+    statistic: Callable[[list[Any], list[Any]], float] = ratio_of_medians,
     level: float = 0.9,
     reps: int = 2000,
     seed: int = 0,

@@ -46,7 +46,6 @@ SECTIONS: tuple[tuple[str, Callable[..., None], tuple[str, ...]], ...] = (
             "write_through_pages_per_s",
             "write_through_refusals",
             "zero_hit_ttft_ratio",
-            "zero_hit_ttft_ratio_outside_forward",
         ),
     ),
     (

@@ -226,10 +226,11 @@ def bench_serving(
         "4",
         "--chunked-prefill-size",
         str(serving.prefill_chunk(args.ttft_prompt_len, args.ttft_page_size)),
-        # SGLang's request timestamps, for where the zero-hit time goes
-        # (zero_hit_stages); on every server alike.
-        "--enable-metrics",
     ]
+    if getattr(args, "stage_split", False):
+        # SGLang's request timestamps, for where the zero-hit time goes
+        # (zero_hit_stages). It also turns kvcr's own exporter on in its arm.
+        base.append("--enable-metrics")
     linker_args = harness.kvcr_linker_args(
         serving.kvcr_linker_config(256 * MIB, 10000, {})
     )
@@ -420,9 +421,5 @@ def zero_hit_details(
             noisy=details["noisy"],
         )
     )
-    details["stages"] = zero_hit_stages.stage_split(used)
-    if "null_linker" in names:  # what kvcr adds over SGLang's linker mode alone
-        details["stages_vs_sglang_linker_mode"] = zero_hit_stages.stage_split(
-            used, base="null_linker"
-        )
-    metrics.append(zero_hit_stages.stage_metric(details["stages"], med["none"]))
+    if getattr(args, "stage_split", False):
+        zero_hit_stages.add_split(details, used, names, metrics)

@@ -8,6 +8,9 @@ Measures, in one run and side by side:
     and run one at a time (the others SIGSTOPped), in rotating order, so load
     from elsewhere hits every variant alike; a third server with SGLang's Python
     radix tree core (which the plugin selects) splits that cost from the linker's.
+    With ``--stage-split`` (off by default: it turns SGLang's and kvcr's metrics
+    on) also ``zero_hit_ttft_ratio_outside_forward``, what kvcr adds outside the
+    forward window by SGLang's request timestamps (``bench/zero_hit_stages.py``).
 (a) ``restore_copy_vs_torch_copy``: the linker's real restore path (prepare,
     lookup, load, start/finish_layer_wise_loading) from claimed KVCR DRAM into a
     real CPU ``MHATokenToKVPool`` of Qwen3-0.6B-like geometry (28 layers, 8 KV
@@ -159,6 +162,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=120,
         help="zero-hit TTFT rounds, one unique prompt per server each (at 40, "
         "back-to-back runs' medians differed by up to 8%%)",
+    )
+    p.add_argument(
+        "--stage-split",
+        action="store_true",
+        help="serving: start every server with SGLang's --enable-metrics and split "
+        "each zero-hit TTFT by its request timestamps (the informational "
+        "zero_hit_ttft_ratio_outside_forward); changes what the serving section "
+        "measures (SGLang's metrics in every arm, kvcr's own exporter in its arm)",
     )
     p.add_argument("--ttft-prompt-len", type=int, default=1024)
     p.add_argument("--ttft-page-size", type=int, default=16)

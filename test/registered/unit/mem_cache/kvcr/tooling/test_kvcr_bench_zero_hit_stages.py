@@ -1,8 +1,9 @@
-"""Where the zero-hit time goes: ``serving.request_stages`` reads SGLang's request
-timestamps (``--enable-metrics``) into stages, ``zero_hit_stages`` pairs kvcr's
-stages with no linker's round by round and turns what kvcr adds outside the
-forward into the informational ``zero_hit_ttft_ratio_outside_forward``, and
-``metrics.difference_ci`` bounds a median paired difference."""
+"""Where the zero-hit time goes (``--stage-split``): ``serving.request_stages``
+reads SGLang's request timestamps (``--enable-metrics``) into stages,
+``zero_hit_stages`` pairs kvcr's stages with no linker's round by round and turns
+what kvcr adds outside the forward window into the informational
+``zero_hit_ttft_ratio_outside_forward``, and ``metrics.difference_ci`` bounds a
+median paired difference. Without the flag the bench reports none of it."""
 
 from __future__ import annotations
 
@@ -49,16 +50,22 @@ def test_a_server_without_every_mark_gives_no_stages(missing):
 
 
 def rounds_with(
-    before: float, after: float, n: int = 80, seed: int = 1, mode: float | None = None
+    before: float,
+    after: float,
+    n: int = 80,
+    seed: int = 1,
+    mode: float | None = None,
+    tokenizer: float = 0.0,
 ) -> list[dict]:
     """Rounds whose forward swings by tens of ms (unrelated per arm) while kvcr
-    adds ``before`` ms ahead of the forward and ``after`` ms behind it (and a
-    null-linker arm, when ``mode`` is given, ``mode`` ms ahead of it)."""
+    adds ``tokenizer`` ms in the tokenizer, ``before`` ms ahead of the forward and
+    ``after`` ms behind it (and a null-linker arm, when ``mode`` is given, ``mode``
+    ms ahead of the forward)."""
     rng = random.Random(seed)
     rounds = []
-    arm_extras = [("none", (0.0, 0.0)), ("kvcr", (before, after))]
+    arm_extras = [("none", (0.0, 0.0, 0.0)), ("kvcr", (tokenizer, before, after))]
     if mode is not None:
-        arm_extras.append(("null_linker", (mode, 0.0)))
+        arm_extras.append(("null_linker", (0.0, mode, 0.0)))
     for _ in range(n):
         base = [
             rng.uniform(0.4, 0.6),
@@ -69,10 +76,10 @@ def rounds_with(
         arms = {}
         for name, extra in arm_extras:
             gaps = [
-                base[0],
-                base[1] + extra[0],
+                base[0] + extra[0],
+                base[1] + extra[1],
                 rng.uniform(38, 70),
-                base[3] + extra[1],
+                base[3] + extra[2],
             ]
             meta_stages = request_stages(meta_of(gaps))
             ttft = sum(gaps) + 2.0
@@ -81,13 +88,20 @@ def rounds_with(
     return rounds
 
 
+def args_for(prompts: int, split: bool = True) -> argparse.Namespace:
+    return argparse.Namespace(
+        quiet_round_busy=0.5, ttft_prompts=prompts, stage_split=split
+    )
+
+
 def test_the_added_time_outside_the_forward_is_found_through_a_noisy_forward():
-    split = zero_hit_stages.stage_split(rounds_with(0.5, 0.3))
+    split = zero_hit_stages.stage_split(rounds_with(0.5, 0.3, tokenizer=0.2))
     assert split["rounds"] == 80
     outside = split["outside_forward"]
-    assert outside["added_ms"] == pytest.approx(0.8, abs=0.01)
+    assert outside["added_ms"] == pytest.approx(1.0, abs=0.01)
     low, high = outside["added_ms_ci90"]
-    assert 0.78 < low <= high < 0.82
+    assert 0.98 < low <= high < 1.02
+    assert split["tokenizer"]["added_ms"] == pytest.approx(0.2, abs=0.01)
     assert split["before_forward"]["added_ms"] == pytest.approx(0.5, abs=0.01)
     assert split["after_forward"]["added_ms"] == pytest.approx(0.3, abs=0.01)
     f_low, f_high = split["forward"]["added_ms_ci90"]
@@ -96,7 +110,7 @@ def test_the_added_time_outside_the_forward_is_found_through_a_noisy_forward():
 
 def test_the_metric_is_informational_and_its_ratio_is_the_added_time_over_the_median():
     rounds = rounds_with(0.6, 0.0)
-    args = argparse.Namespace(quiet_round_busy=0.5, ttft_prompts=80)
+    args = args_for(80)
     details: dict = {}
     metrics: list[dict] = []
     zero_hit_details(args, details, rounds, ["none", "kvcr"], metrics)
@@ -106,8 +120,16 @@ def test_the_metric_is_informational_and_its_ratio_is_the_added_time_over_the_me
     assert m["added_ms"] == pytest.approx(0.6, abs=0.01)
     assert m["ratio"] == pytest.approx((base + 0.6) / base, abs=2e-4)
     low, high = m["ratio_ci90"]
-    assert low <= m["ratio"] <= high
+    # The baseline's median moves with the rounds drawn; the 0.6 ms does not.
+    assert 1.0 < low <= m["ratio"] <= high < 1.0 + 0.6 / (base - 3.0)
+    assert high - low < 0.001
     assert m["target"] is None and m["passed"] is None
+    assert m["quiet_rounds"] == 80 and m["noisy"] is False
+    kvcr_stages = details["kvcr"]["stages_ms"]
+    assert (
+        len(kvcr_stages) == 80
+        and kvcr_stages[0] == rounds[0]["samples"]["kvcr"]["stages_ms"]
+    )
     assert set(m["stages"]) == {
         "tokenizer",
         "before_forward",
@@ -119,7 +141,7 @@ def test_the_metric_is_informational_and_its_ratio_is_the_added_time_over_the_me
 
 def test_with_a_null_linker_arm_the_split_also_says_what_kvcr_adds_over_it():
     rounds = rounds_with(0.7, 0.0, mode=0.3)
-    args = argparse.Namespace(quiet_round_busy=0.5, ttft_prompts=80)
+    args = args_for(80)
     details: dict = {}
     zero_hit_details(args, details, rounds, ["none", "null_linker", "kvcr"], [])
     over = details["stages_vs_sglang_linker_mode"]["before_forward"]["added_ms"]
@@ -133,16 +155,41 @@ def test_with_a_null_linker_arm_the_split_also_says_what_kvcr_adds_over_it():
 
 
 def test_the_split_uses_only_the_rounds_the_ratio_uses():
-    quiet = rounds_with(0.5, 0.0, n=60, seed=2)
-    busy = rounds_with(9.0, 9.0, n=30, seed=3)
+    quiet = rounds_with(0.5, 0.0, n=30, seed=2)
+    busy = rounds_with(9.0, 9.0, n=40, seed=3)  # a majority, were they counted
     for r in busy:
         r["external_busy"] = 0.9
-    args = argparse.Namespace(quiet_round_busy=0.5, ttft_prompts=60)
     metrics: list[dict] = []
-    zero_hit_details(args, {}, quiet + busy, ["none", "kvcr"], metrics)
+    zero_hit_details(args_for(30), {}, quiet + busy, ["none", "kvcr"], metrics)
     (m,) = [m for m in metrics if m["name"] == zero_hit_stages.NAME]
-    assert m["samples"] == 60
+    assert m["samples"] == 30
     assert m["added_ms"] == pytest.approx(0.5, abs=0.01)
+
+
+def test_without_the_flag_there_is_no_split_and_no_metric():
+    details: dict = {}
+    metrics: list[dict] = []
+    rounds = rounds_with(0.5, 0.0, n=20)
+    zero_hit_details(
+        args_for(20, split=False), details, rounds, ["none", "kvcr"], metrics
+    )
+    assert [m["name"] for m in metrics] == ["zero_hit_ttft_ratio"]
+    assert "stages" not in details and "stages_ms" not in details["kvcr"]
+
+
+def test_the_split_is_per_round_and_needs_two_rounds():
+    def sample(before: float) -> dict:
+        stages = {"tokenizer": 0.5, "before_forward": before, "forward": 40.0}
+        return {"ttft_ms": 50.0, "stages_ms": {**stages, "after_forward": 3.0}}
+
+    rounds = [
+        {"samples": {"kvcr": sample(k), "none": sample(n)}}
+        for k, n in ((1.0, 1.0), (20.0, 0.0), (0.0, 0.0))
+    ]
+    # Round by round kvcr added 0, 20 and 0 ms: 0, where the medians differ by 1.
+    split = zero_hit_stages.stage_split(rounds)
+    assert split["before_forward"]["added_ms"] == 0.0
+    assert zero_hit_stages.stage_split(rounds[:1]) is None
 
 
 def test_servers_without_stages_give_an_error_metric_not_a_figure():
@@ -150,9 +197,8 @@ def test_servers_without_stages_give_an_error_metric_not_a_figure():
     for r in rounds:
         for sample in r["samples"].values():
             sample["stages_ms"] = None
-    args = argparse.Namespace(quiet_round_busy=0.5, ttft_prompts=10)
     metrics: list[dict] = []
-    zero_hit_details(args, {}, rounds, ["none", "kvcr"], metrics)
+    zero_hit_details(args_for(10), {}, rounds, ["none", "kvcr"], metrics)
     (m,) = [m for m in metrics if m["name"] == zero_hit_stages.NAME]
     assert m["value"] is None and "--enable-metrics" in m["error"]
 
