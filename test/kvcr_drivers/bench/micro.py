@@ -88,6 +88,8 @@ UNITS = {
 
 
 def section_metrics(section: str, names: tuple[str, ...], args: argparse.Namespace):
+    if section == "serving" and getattr(args, "stage_split", False):
+        return (*names, NAME_BY_PARTS)  # a failed section reports it too
     if section != "transfer":
         return names
     return tuple(f"{kind}_{n}p" for n in args.transfer_pages for kind in TRANSFER_KINDS)

@@ -127,15 +127,18 @@ def stream_ttft(
         raise RuntimeError("streaming /generate returned no chunk")
     meta = last.get("meta_info", {}) or {}
     details = meta.get("cached_tokens_details") or {}
-    return {
+    sample = {
         "ttft_ms": round((first - started) * 1000.0, 3),
         "e2e_ms": round((done - started) * 1000.0, 3),
         "cached_tokens": int(meta.get("cached_tokens", 0) or 0),
         "device_cached_tokens": int(details.get("device", 0) or 0),
         "external_cached_tokens": int(details.get("host", 0) or 0),
         "output_tokens": len(last.get("output_ids") or []),
-        "stages_ms": request_stages(meta),
     }
+    stages = request_stages(meta)  # only with --enable-metrics (--stage-split)
+    if stages is not None:
+        sample["stages_ms"] = stages
+    return sample
 
 
 # SGLang's own timestamps of one request (``--enable-metrics``; seconds, each

@@ -194,6 +194,26 @@ def bench_decode_itl(
     )
 
 
+def server_args(args: argparse.Namespace, max_total: int) -> list[str]:
+    """Every serving server's arguments (``--enable-metrics`` only with
+    ``--stage-split``)."""
+    base = [
+        "--page-size",
+        str(args.ttft_page_size),
+        "--max-total-tokens",
+        str(max_total),
+        "--max-running-requests",
+        "4",
+        "--chunked-prefill-size",
+        str(serving.prefill_chunk(args.ttft_prompt_len, args.ttft_page_size)),
+    ]
+    if getattr(args, "stage_split", False):
+        # SGLang's request timestamps, for where the zero-hit time goes
+        # (zero_hit_stages). It also turns kvcr's own exporter on in its arm.
+        base.append("--enable-metrics")
+    return base
+
+
 def bench_serving(
     args: argparse.Namespace, out: dict[str, Any], metrics: list[dict[str, Any]]
 ) -> None:
@@ -217,20 +237,7 @@ def bench_serving(
 
     work = Path(out["_work"])
     max_total = 8 * args.ttft_prompt_len
-    base = [
-        "--page-size",
-        str(args.ttft_page_size),
-        "--max-total-tokens",
-        str(max_total),
-        "--max-running-requests",
-        "4",
-        "--chunked-prefill-size",
-        str(serving.prefill_chunk(args.ttft_prompt_len, args.ttft_page_size)),
-    ]
-    if getattr(args, "stage_split", False):
-        # SGLang's request timestamps, for where the zero-hit time goes
-        # (zero_hit_stages). It also turns kvcr's own exporter on in its arm.
-        base.append("--enable-metrics")
+    base = server_args(args, max_total)
     linker_args = harness.kvcr_linker_args(
         serving.kvcr_linker_config(256 * MIB, 10000, {})
     )

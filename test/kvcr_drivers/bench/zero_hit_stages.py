@@ -4,8 +4,9 @@ before the forward, the forward window, after it), kvcr against no linker (and
 against SGLang's linker mode alone, the null linker, when that control ran), round
 by round.
 
-On a small shared host one TTFT sample moves by a third from round to round, most
-of it inside the forward window (the same prefill, 38-120 ms), so a 2% ratio of
+On a small shared host one TTFT sample moves by a third from round to round (the
+same 1024-token prefill: 38-120 ms end to end), most of it inside the forward
+window, so a 2% ratio of
 medians cannot be placed from 120 rounds (``ratio_ci90``). The stages outside
 that window are short: the median of their paired differences is a lower bound on
 what the linker adds to every cold request. Not the whole of it: SGLang's forward
