@@ -3,8 +3,9 @@
 ``TARGETS`` are the issue's thresholds per metric (None: informational);
 ``metric`` builds the record the report's ``metrics`` list holds and the docs'
 figures table names; ``pct`` / ``dist`` summarize a list of samples (every
-section's and the decode ITL's); ``ratio_ci`` bounds a ratio of their medians and
-``difference_ci`` a median paired difference.
+section's and the decode ITL's); ``paired_ci`` bounds a paired statistic of them
+(``ratio_ci``: their ratio of medians; with ``median_difference``, a median
+paired difference).
 ``busy_fraction`` / ``wait_for_quiet`` / ``thread_cpu_pct`` read /proc
 (``machine_cpu_ticks``, ``proc_stat``) so a section can wait for a quiet machine
 and say what it saw.
@@ -192,17 +193,6 @@ def ratio_ci(
 ) -> tuple[float, float]:
     """``paired_ci`` of median(a) / median(b)."""
     return paired_ci(a, b, ratio_of_medians, level, reps, seed)
-
-
-def difference_ci(
-    a: list[float],
-    b: list[float],
-    level: float = 0.9,
-    reps: int = 2000,
-    seed: int = 0,
-) -> tuple[float, float]:
-    """``paired_ci`` of the median paired difference ``a[i] - b[i]``."""
-    return paired_ci(a, b, median_difference, level, reps, seed)
 
 
 def gbps(nbytes: int, seconds: float) -> float:

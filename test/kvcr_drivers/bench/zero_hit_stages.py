@@ -24,12 +24,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from kvcr_drivers.bench.metrics import (
-    difference_ci,
-    median_difference,
-    metric,
-    paired_ci,
-)
+from kvcr_drivers.bench.metrics import median_difference, metric, paired_ci
 from kvcr_drivers.bench.serving import STAGES
 
 NAME = "zero_hit_ttft_ratio_outside_forward"
@@ -76,7 +71,7 @@ def stage_split(
         [outside(b) for _, b in pairs],
     )
     for name, (a, b) in columns.items():
-        low, high = difference_ci(a, b)
+        low, high = paired_ci(a, b, median_difference)
         split[name] = {
             "added_ms": round(median_difference(a, b), 4),
             "added_ms_ci90": [round(low, 4), round(high, 4)],

@@ -2,7 +2,7 @@
 reads SGLang's request timestamps (``--enable-metrics``) into stages,
 ``zero_hit_stages`` pairs kvcr's stages with no linker's round by round and turns
 what kvcr adds outside the forward window into the informational
-``zero_hit_ttft_ratio_outside_forward``, and ``metrics.difference_ci`` bounds a
+``zero_hit_ttft_ratio_outside_forward``, and ``metrics.paired_ci`` bounds a
 median paired difference. Without the flag the bench reports none of it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import random
 import pytest
 
 from kvcr_drivers.bench import micro, zero_hit_stages
-from kvcr_drivers.bench.metrics import difference_ci, median_difference
+from kvcr_drivers.bench.metrics import median_difference, paired_ci
 from kvcr_drivers.bench.serving import STAGE_MARKS, request_stages
 from kvcr_drivers.bench.serving_micro import server_args, zero_hit_details
 
@@ -203,12 +203,14 @@ def test_servers_without_stages_give_an_error_metric_not_a_figure():
     assert m["value"] is None and "--enable-metrics" in m["error"]
 
 
-def test_difference_ci_of_a_fixed_offset_is_a_point_and_unpaired_lists_are_refused():
+def test_a_median_difference_interval_of_a_fixed_offset_is_a_point_and_unpaired_lists_are_refused():
     rng = random.Random(4)
     base = [rng.uniform(40, 70) for _ in range(50)]
-    assert difference_ci([x + 0.25 for x in base], base) == pytest.approx((0.25, 0.25))
+    assert paired_ci(
+        [x + 0.25 for x in base], base, median_difference
+    ) == pytest.approx((0.25, 0.25))
     with pytest.raises(ValueError, match="paired"):
-        difference_ci([1.0, 2.0], [1.0])
+        paired_ci([1.0, 2.0], [1.0], median_difference)
 
 
 def test_the_difference_is_taken_round_by_round_before_the_median():
