@@ -351,6 +351,74 @@ def test_a_cold_tail_is_not_prepared_and_only_its_first_page_is_hashed(
     assert linker.stats.prepare_skipped == 1
 
 
+def test_a_cold_prompt_skips_the_tree_walk_and_a_device_prefix_still_anchors_its_tail(
+    make_stack, monkeypatch
+):
+    """No device node for the first page and that page not in KVCR: skipped at
+    enqueue without walking the tree. A prompt whose first pages are on the
+    device is walked, and its tail is checked behind that prefix: prepared
+    though its (device-resident) first page is hidden from the residency."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    stack = make_stack()
+    cache, linker = stack.cache, stack.linker
+    x = list(range(400, 400 + 4 * PAGE))
+    insert_and_commit(stack, x, seed=3)
+    insert_and_commit(stack, [*x[: 2 * PAGE], *range(900, 900 + 2 * PAGE)], seed=4)
+    cache.evict(EvictParams(num_tokens=2 * PAGE))
+    assert device_match(cache, x).device_prefix_len == 2 * PAGE
+    walks: list[int] = []
+    walk = cache.match_prefix
+
+    def counting(params: Any) -> Any:
+        walks.append(len(params.key))
+        return walk(params)
+
+    monkeypatch.setattr(cache, "match_prefix", counting)
+    sched = StubScheduler(cache)
+    enqueue(sched, make_req("cold", [*range(700, 700 + 3 * PAGE), 1]))
+    assert walks == []
+    assert linker.preparations.get("cold") is None
+    assert linker.stats.prepare_skipped == 1
+    # x's first page is on the device: only the tail behind it is looked up.
+    first = get_storage_hash_str(radix_key(x[:PAGE]), None, page_size=PAGE)[0]
+    monkeypatch.setattr(linker, "residency", _Hiding(linker.residency, {first}))
+    enqueue(sched, make_req("a", [*x, 1, 2, 3]))
+    assert len(walks) == 1
+    assert linker.preparations.get("a") is not None
+    assert linker.stats.prepare_skipped == 1
+
+
+def test_one_attention_rank_gates_readiness_without_a_tensor_or_a_collective(
+    make_stack, monkeypatch
+):
+    """A single attention rank has no group to reduce over: readiness (and the
+    restore verdicts' MIN) are the local flags, with no tensor made."""
+    stack = make_stack()
+    cache = stack.cache
+    reduced: list[Any] = []
+    monkeypatch.setattr(cache, "_all_reduce_attn_groups", reduced.append)
+    monkeypatch.setattr(integration.torch, "tensor", None)  # any tensor raises
+    reqs = [make_req("r0", [1, 2]), make_req("r1", [3, 4])]
+    assert integration.wrapper_sync_preparation(cache.linker, reqs) == [True, True]
+    assert integration._min_across_ranks(cache, [3, 0, 1]) == [3, 0, 1]
+    assert reduced == []
+
+
+class _Hiding:
+    """A residency index that does not hold ``hidden`` page hashes."""
+
+    def __init__(self, inner: Any, hidden: set[str]) -> None:
+        self._inner, self._hidden = inner, hidden
+
+    def holds(self, page_hash: str, pools: Any) -> bool:
+        return page_hash not in self._hidden and self._inner.holds(page_hash, pools)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 class _NothingResident:
     """A residency index that holds no page (everything else passes through)."""
 

@@ -518,14 +518,14 @@ def test_prefill_gate_passes_the_queue_through_without_a_collective(mooncake_env
 
 
 def test_release_and_event_hooks_add_nothing_for_mooncake(mooncake_env):
-    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration
+    from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import integration, stored_marks
 
     cache, wrapper = mooncake_env.cache, mooncake_env.cache.linker
     req = make_req("done")
     with (
         mock.patch("torch.distributed.all_gather_object") as gather,
         mock.patch.object(integration, "clear_stored_marks") as clear,
-        mock.patch.object(integration, "_node") as node_lookup,
+        mock.patch.object(stored_marks, "node_or_none") as node_lookup,
     ):
         assert integration._after_wrapper_release_request(None, wrapper, "done") is None
         assert (

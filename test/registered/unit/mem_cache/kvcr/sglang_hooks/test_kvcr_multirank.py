@@ -207,6 +207,8 @@ def _readiness_scenario(rank: int, cache: Any) -> dict[str, Any]:
         "seen": seen,
         "result": [result[0], result[1], list(result[2]), result[3]],
         "queue_after": [r.rid for r in scheduler.waiting_queue],
+        # The restore verdicts' MIN: rank r offers r, both get the smaller.
+        "min": integration._min_across_ranks(cache, [rank, 7]),
     }
 
 
@@ -374,6 +376,7 @@ def test_readiness_is_min_reduced_and_both_ranks_hold_the_same_request(ranks):
     )
     # r0 was admitted; r1 is back in its place; the arrival goes last.
     assert r0["queue_after"] == r1["queue_after"] == ["r1", "r2", "r3"]
+    assert r0["min"] == r1["min"] == [0, 7]
 
 
 def test_refused_offload_on_one_rank_keeps_results_paired(ranks):

@@ -9,7 +9,8 @@ chain, whatever the order the wrappers were applied in.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+from collections.abc import Callable, Iterable
 from typing import Any
 
 MAX_DEPTH = 16  # wrappers around one target; far more than any seen
@@ -28,3 +29,16 @@ def carries(fn: Any, hook: Callable[..., Any]) -> bool:
                 continue
         fn = getattr(fn, "__wrapped__", None)
     return False
+
+
+def hook_status(
+    hooks: Iterable[tuple[str, Callable[..., Any], str]],
+) -> dict[str, bool]:
+    """Whether each ``(target, hook, kind)``'s target (``module.Class.attr``)
+    carries its hook now."""
+    status = {}
+    for target, hook, _ in hooks:
+        module_path, cls_name, attr = target.rsplit(".", 2)
+        cls = getattr(importlib.import_module(module_path), cls_name)
+        status[target] = carries(getattr(cls, attr), hook)
+    return status

@@ -24,7 +24,7 @@ from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRUnavailableError
 from sglang.srt.mem_cache.storage.kvcr.config.startup_checks import TREE_CORE_ENV
 from sglang.srt.mem_cache.storage.kvcr.fleet.event_hashes import published_aliases
 from sglang.srt.mem_cache.storage.kvcr.sglang_hooks import lora_namespace, stored_marks
-from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.hook_check import carries
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.hook_check import hook_status
 from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
     LinkerRequestContext,
     PreparationHandle,
@@ -39,6 +39,7 @@ from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.weight_updates import (
 )
 
 logger = logging.getLogger(__name__)
+clear_stored_marks = stored_marks.clear_stored_marks  # a name tests patch here
 
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
 _WRAPPER = (
@@ -101,14 +102,7 @@ def register_hooks() -> None:
 
 def installed_hooks() -> dict[str, bool]:
     """Which hook targets currently carry this module's hook."""
-    import importlib
-
-    status = {}
-    for target, hook, _ in _hooks():
-        module_path, cls_name, attr = target.rsplit(".", 2)
-        cls = getattr(importlib.import_module(module_path), cls_name)
-        status[target] = carries(getattr(cls, attr), hook)
-    return status
+    return hook_status(_hooks())
 
 
 def require_hooks_installed() -> None:
@@ -143,15 +137,21 @@ def wrapper_prepare_request(wrapper: Any, req: Any) -> Any:
     if not tokens:
         return None
     key = _req_radix_key(cache, req, tokens, req._compute_max_prefix_len(len(tokens)))
-    result = cache.match_prefix(MatchPrefixParams(key=key, cow_mamba=False, req=None))
     view, _ = key.maybe_to_bigram_view(cache.tree_core.is_eagle)
     kv_hints = getattr(req, "kv_hints", None)
-    if result.device_prefix_len >= len(view):
+    # No device node for the first page, which is not in KVCR either: a cold
+    # prompt (the usual zero hit), found without the tree walk.
+    checked = kv_hints is not None or _first_page_off_device(cache, view)
+    if checked and kv_hints is None and not _tail_may_hit(wrapper, req.rid, view):
+        return None
+    result = cache.match_prefix(MatchPrefixParams(key=key, cow_mamba=False, req=None))
+    start, last = result.device_prefix_len, result.last_device_node
+    if start >= len(view):
         tail: list[str] = []
-    elif kv_hints is None and not _tail_may_hit(wrapper, req.rid, view, result):
+    elif not checked and not _tail_may_hit(wrapper, req.rid, view, start, last):
         return None  # a cold tail: nothing to prepare
     else:
-        tail = wrapper._tail_hashes(view, result, result.device_prefix_len)
+        tail = wrapper._tail_hashes(view, result, start)
     transfers = []
     for component in wrapper._components:
         transfer = component.build_external_linker_transfer(
@@ -178,20 +178,30 @@ def wrapper_prepare_request(wrapper: Any, req: Any) -> Any:
     return linker_hook(wrapper.cache_linker, "prepare_request")(ctx, transfers)
 
 
-def _tail_may_hit(wrapper: Any, rid: str, view: Any, result: Any) -> bool:
-    """The backend's ``tail_may_hit`` on the tail's first page, whose storage
-    hash is computed as the wrapper's ``_tail_hashes`` computes it (anchored on
-    the device prefix's last page, seeded by the request's namespace); True
-    whenever that hash does not exist (the full path then finds no tail)."""
+def _first_page_off_device(cache: Any, view: Any) -> bool:
+    """Whether the tree's root has no child under ``view``'s first page (as the
+    walk looks it up): a device match of ``view`` would be empty."""
+    page = cache.page_size
+    return len(view) >= page and (
+        view.child_key_at(0, page) not in cache.tree_core.root_node.children
+    )
+
+
+def _tail_may_hit(
+    wrapper: Any, rid: str, view: Any, start: int = 0, last: Any = None
+) -> bool:
+    """The backend's ``tail_may_hit`` on the first page of ``view`` from token
+    ``start`` (behind device node ``last``), hashed as the wrapper's
+    ``_tail_hashes`` hashes it; True when there is no such hash."""
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
     cache = wrapper.cache
-    start, page = result.device_prefix_len, cache.page_size
+    page = cache.page_size
     if len(view) - start < page:
         return True
     prior = None
     if start > 0:
-        prior = cache.get_last_hash_value(result.last_device_node)
+        prior = cache.get_last_hash_value(last)
         if prior is None:
             return True
     first = get_storage_hash_str(view[start : start + page], prior, page_size=page)
@@ -201,11 +211,19 @@ def _tail_may_hit(wrapper: Any, rid: str, view: Any, result: Any) -> bool:
 def wrapper_sync_preparation(wrapper: Any, reqs: list[Any]) -> list[bool]:
     """Readiness of ``reqs``, identical on every attention rank (MIN of 0/1)."""
     ready_fn = linker_hook(wrapper.cache_linker, "preparation_ready")
-    flags = torch.tensor(
-        [int(bool(ready_fn(_handle(r)))) for r in reqs], dtype=torch.int
-    )
-    wrapper.cache._all_reduce_attn_groups(flags, torch.distributed.ReduceOp.MIN)
-    return [bool(v) for v in flags.tolist()]
+    flags = [int(bool(ready_fn(_handle(r)))) for r in reqs]
+    return [bool(v) for v in _min_across_ranks(wrapper.cache, flags)]
+
+
+def _min_across_ranks(cache: Any, flags: list[int]) -> list[int]:
+    """The MIN of ``flags`` over the attention group, reduced as SGLang reduces
+    (``_all_reduce_attn_groups``); as they are, with no tensor made, on a single
+    attention rank (``stored_marks.reduce_groups``: no group to reduce over)."""
+    if not stored_marks.reduce_groups(cache):
+        return flags
+    tensor = torch.tensor(flags, dtype=torch.int)
+    cache._all_reduce_attn_groups(tensor, torch.distributed.ReduceOp.MIN)
+    return [int(v) for v in tensor.tolist()]
 
 
 def _handle(req: Any) -> PreparationHandle:
@@ -291,20 +309,17 @@ def _around_finish_loads(original: Callable[..., Any], wrapper: Any) -> list[str
     verdicts = by_request(index)
     # Every rank must reduce as many flags: check the count first (MIN of n and
     # of -n), and abort them all if the ranks' lists ever differ.
-    sizes = torch.tensor([len(rids), -len(rids)], dtype=torch.int)
-    wrapper.cache._all_reduce_attn_groups(sizes, torch.distributed.ReduceOp.MIN)
-    if sizes.tolist() != [len(rids), -len(rids)]:
+    sizes = [len(rids), -len(rids)]
+    if _min_across_ranks(wrapper.cache, sizes) != sizes:
         logger.error("KVCR restore verdicts: ranks disagree on the loading requests")
-        landed = torch.zeros(len(rids), dtype=torch.int)
+        landed = [0] * len(rids)
     else:
         # A request the linker has no record of did not land (fail closed).
-        landed = torch.tensor(
-            [int(verdicts.get(rid, False)) for rid in rids], dtype=torch.int
-        )
-        wrapper.cache._all_reduce_attn_groups(landed, torch.distributed.ReduceOp.MIN)
+        landed = [int(verdicts.get(rid, False)) for rid in rids]
+        landed = _min_across_ranks(wrapper.cache, landed)
     for rid in rids:
         wrapper.private_load_indices.pop(rid, None)
-    failed = [rid for rid, ok in zip(rids, landed.tolist(), strict=True) if not ok]
+    failed = [rid for rid, ok in zip(rids, landed, strict=True) if not ok]
     if failed:
         logger.error(
             "KVCR restore did not land for %d of %d request(s); aborting %s",
@@ -370,7 +385,7 @@ def _around_commit_completed_offloads(
         if not ok:
             continue
         for node_id in node_ids:
-            node = _node(core, node_id)
+            node = stored_marks.node_or_none(core, node_id)
             if node is not None:
                 evicted += stored_marks.committed(core, node, stored)
     if evicted:
@@ -423,27 +438,12 @@ def _after_check_hicache_events(result: Any, cache: Any) -> None:
         clear_stored_marks(cache, union)
 
 
-def clear_stored_marks(cache: Any, page_hashes: list[str]) -> int:
-    """Clear the stored marks of ``page_hashes`` KVCR evicted (stored_marks)."""
-    stored = stored_marks.stored_pages(cache_linker_of(cache))
-    if stored is None:
-        return 0
-    return stored.clear(cache.tree_core, page_hashes)
-
-
 def nccl_group_over(group: Any) -> Any:
     """SGLang's NCCL group over ``group``'s ranks (collective over the world)."""
     from sglang.srt.distributed import parallel_state
 
     ranks = list(torch.distributed.get_process_group_ranks(group))
     return parallel_state.create_custom_parallel_group(ranks, backend="nccl")
-
-
-def _node(core: Any, node_id: Any) -> Any:
-    try:
-        return core.node_by_id(node_id)
-    except (KeyError, IndexError):
-        return None
 
 
 # Every hooked SGLang target, in registration order.

@@ -20,7 +20,10 @@ from typing import Any
 
 import torch
 
-from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import linker_hook
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
+    cache_linker_of,
+    linker_hook,
+)
 
 # Evictions remembered for offloads still committing (oldest dropped first).
 MAX_EARLY_REMOVALS = 1 << 16
@@ -113,6 +116,19 @@ def publish_removed(
         recorder.enqueue(BlockRemoved(block_hashes=picked, medium=medium))
 
 
+def reduce_groups(cache: Any) -> list[Any]:
+    """The groups ``_all_reduce_attn_groups`` reduces over, in its order: the
+    attention CP and TP groups of more than one rank, else the TP group when
+    it has more than one; none on a single attention rank."""
+    if not torch.distributed.is_initialized():
+        return []
+    groups = [g for g in (cache.attn_cp_group, cache.attn_tp_group) if g is not None]
+    groups = [g for g in groups if torch.distributed.get_world_size(group=g) > 1]
+    if not groups and cache.tp_world_size > 1:
+        groups = [cache.tp_group]
+    return groups
+
+
 def gather_union(cache: Any, removed: list[str]) -> list[str]:
     """The union of every attention rank's removed hashes (same list on all).
 
@@ -120,12 +136,7 @@ def gather_union(cache: Any, removed: list[str]) -> list[str]:
     pair offload results by position agree on which stored marks to clear.
     """
     merged = set(removed)
-    if not torch.distributed.is_initialized():
-        return sorted(merged)
-    groups = [g for g in (cache.attn_cp_group, cache.attn_tp_group) if g is not None]
-    groups = [g for g in groups if torch.distributed.get_world_size(group=g) > 1]
-    if not groups and cache.tp_world_size > 1:
-        groups = [cache.tp_group]
+    groups = reduce_groups(cache)
     if not groups:
         return sorted(merged)
     # One small reduction per step; the object gather only when some rank has
@@ -156,3 +167,19 @@ def stored_pages(backend: Any) -> StoredPages | None:
     if pages is None:
         pages = _STORED[backend] = StoredPages()
     return pages
+
+
+def clear_stored_marks(cache: Any, page_hashes: list[str]) -> int:
+    """Clear the stored marks of ``page_hashes`` KVCR evicted; how many."""
+    stored = stored_pages(cache_linker_of(cache))
+    if stored is None:
+        return 0
+    return stored.clear(cache.tree_core, page_hashes)
+
+
+def node_or_none(core: Any, node_id: Any) -> Any:
+    """The tree node ``node_id``; None once the tree dropped it."""
+    try:
+        return core.node_by_id(node_id)
+    except (KeyError, IndexError):
+        return None
