@@ -55,8 +55,13 @@ class _Wrapper:
         self.inflight_load_index = index
         self.private_load_indices = {rid: object() for rid in rids}
         self.reduced = []
+        # Two attention ranks (what SGLang's reduction reads), this one's end.
         self.cache = SimpleNamespace(
-            _all_reduce_attn_groups=lambda t, op: self.reduced.append(t.tolist())
+            _all_reduce_attn_groups=lambda t, op: self.reduced.append(t.tolist()),
+            attn_cp_group=None,
+            attn_tp_group=None,
+            tp_group=None,
+            tp_world_size=2,
         )
 
 

@@ -354,20 +354,22 @@ def test_a_cold_tail_is_not_prepared_and_only_its_first_page_is_hashed(
 def test_a_cold_prompt_skips_the_tree_walk_and_a_device_prefix_still_anchors_its_tail(
     make_stack, monkeypatch
 ):
-    """No device node for the first page and that page not in KVCR: skipped at
-    enqueue without walking the tree. A prompt whose first pages are on the
-    device is walked, and its tail is checked behind that prefix: prepared
-    though its (device-resident) first page is hidden from the residency."""
+    """No device node for the first page (under the request's namespace): no
+    tree walk at enqueue, on every rank alike, and skipped when that page is
+    not in KVCR either. A salted prompt whose first pages are on the device is
+    walked and its tail checked behind that prefix: prepared though its
+    (device-resident) first page is hidden from the residency."""
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
     stack = make_stack()
     cache, linker = stack.cache, stack.linker
-    x = list(range(400, 400 + 4 * PAGE))
-    insert_and_commit(stack, x, seed=3)
-    insert_and_commit(stack, [*x[: 2 * PAGE], *range(900, 900 + 2 * PAGE)], seed=4)
+    x, salt = list(range(400, 400 + 4 * PAGE)), "tenant-a"
+    insert_and_commit(stack, x, seed=3, salt=salt)
+    branch = [*x[: 2 * PAGE], *range(900, 900 + 2 * PAGE)]
+    insert_and_commit(stack, branch, seed=4, salt=salt)
     cache.evict(EvictParams(num_tokens=2 * PAGE))
-    assert device_match(cache, x).device_prefix_len == 2 * PAGE
+    assert device_match(cache, x, salt).device_prefix_len == 2 * PAGE
     walks: list[int] = []
     walk = cache.match_prefix
 
@@ -381,13 +383,22 @@ def test_a_cold_prompt_skips_the_tree_walk_and_a_device_prefix_still_anchors_its
     assert walks == []
     assert linker.preparations.get("cold") is None
     assert linker.stats.prepare_skipped == 1
-    # x's first page is on the device: only the tail behind it is looked up.
-    first = get_storage_hash_str(radix_key(x[:PAGE]), None, page_size=PAGE)[0]
+    # The same tokens unsalted: no device node under that namespace, no walk;
+    # their first page is not in KVCR either.
+    enqueue(sched, make_req("unsalted", [*x, 1, 2, 3]))
+    assert walks == []
+    assert linker.stats.prepare_skipped == 2
+    # Salted, x's first page is on the device: only the tail behind it is
+    # looked up (its first page hidden from the residency changes nothing).
+    key = radix_key(x[:PAGE], salt)
+    first = get_storage_hash_str(key, None, page_size=PAGE)[0]
     monkeypatch.setattr(linker, "residency", _Hiding(linker.residency, {first}))
-    enqueue(sched, make_req("a", [*x, 1, 2, 3]))
+    a = make_req("a", [*x, 1, 2, 3])
+    a.cache_salt = salt
+    enqueue(sched, a)
     assert len(walks) == 1
     assert linker.preparations.get("a") is not None
-    assert linker.stats.prepare_skipped == 1
+    assert linker.stats.prepare_skipped == 2
 
 
 def test_one_attention_rank_gates_readiness_without_a_tensor_or_a_collective(
@@ -399,11 +410,24 @@ def test_one_attention_rank_gates_readiness_without_a_tensor_or_a_collective(
     cache = stack.cache
     reduced: list[Any] = []
     monkeypatch.setattr(cache, "_all_reduce_attn_groups", reduced.append)
-    monkeypatch.setattr(integration.torch, "tensor", None)  # any tensor raises
+    monkeypatch.setattr(integration, "torch", _NoTensors(integration.torch))
     reqs = [make_req("r0", [1, 2]), make_req("r1", [3, 4])]
     assert integration.wrapper_sync_preparation(cache.linker, reqs) == [True, True]
     assert integration._min_across_ranks(cache, [3, 0, 1]) == [3, 0, 1]
     assert reduced == []
+
+
+class _NoTensors:
+    """``torch`` as the integration module sees it, where making a tensor fails."""
+
+    def __init__(self, torch_module: Any) -> None:
+        self._torch = torch_module
+
+    def tensor(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a tensor was made")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._torch, name)
 
 
 class _Hiding:
@@ -852,7 +876,7 @@ def test_an_eviction_announced_before_its_offload_commits_clears_the_mark(make_s
     insert(stack, x, seed=43)
     assert cache.linker.pending_offloads  # not committed
     first = node_of(cache, x).hash_value[0]
-    assert integration.clear_stored_marks(cache, [first]) == 0  # nothing indexed
+    assert stored_marks.clear_stored_marks(cache, [first]) == 0  # nothing indexed
     cache.take_events()
     commit_offloads(cache)
     events = cache.take_events()

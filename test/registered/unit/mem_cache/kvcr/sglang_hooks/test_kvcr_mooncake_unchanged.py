@@ -524,7 +524,7 @@ def test_release_and_event_hooks_add_nothing_for_mooncake(mooncake_env):
     req = make_req("done")
     with (
         mock.patch("torch.distributed.all_gather_object") as gather,
-        mock.patch.object(integration, "clear_stored_marks") as clear,
+        mock.patch.object(stored_marks, "clear_stored_marks") as clear,
         mock.patch.object(stored_marks, "node_or_none") as node_lookup,
     ):
         assert integration._after_wrapper_release_request(None, wrapper, "done") is None

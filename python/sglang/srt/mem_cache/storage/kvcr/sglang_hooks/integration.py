@@ -39,7 +39,6 @@ from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.weight_updates import (
 )
 
 logger = logging.getLogger(__name__)
-clear_stored_marks = stored_marks.clear_stored_marks  # a name tests patch here
 
 _SCHED = "sglang.srt.managers.scheduler.Scheduler"
 _WRAPPER = (
@@ -139,16 +138,17 @@ def wrapper_prepare_request(wrapper: Any, req: Any) -> Any:
     key = _req_radix_key(cache, req, tokens, req._compute_max_prefix_len(len(tokens)))
     view, _ = key.maybe_to_bigram_view(cache.tree_core.is_eagle)
     kv_hints = getattr(req, "kv_hints", None)
-    # No device node for the first page, which is not in KVCR either: a cold
-    # prompt (the usual zero hit), found without the tree walk.
-    checked = kv_hints is not None or _first_page_off_device(cache, view)
-    if checked and kv_hints is None and not _tail_may_hit(wrapper, req.rid, view):
-        return None
-    result = cache.match_prefix(MatchPrefixParams(key=key, cow_mamba=False, req=None))
+    if kv_hints is None and _first_page_off_device(cache, view):
+        # No walk: it would match nothing (a tree fact, alike on every rank).
+        result = cache.tree_core.empty_match_result
+    else:
+        result = cache.match_prefix(
+            MatchPrefixParams(key=key, cow_mamba=False, req=None)
+        )
     start, last = result.device_prefix_len, result.last_device_node
     if start >= len(view):
         tail: list[str] = []
-    elif not checked and not _tail_may_hit(wrapper, req.rid, view, start, last):
+    elif kv_hints is None and not _tail_may_hit(wrapper, req.rid, view, start, last):
         return None  # a cold tail: nothing to prepare
     else:
         tail = wrapper._tail_hashes(view, result, start)
@@ -187,9 +187,7 @@ def _first_page_off_device(cache: Any, view: Any) -> bool:
     )
 
 
-def _tail_may_hit(
-    wrapper: Any, rid: str, view: Any, start: int = 0, last: Any = None
-) -> bool:
+def _tail_may_hit(wrapper: Any, rid: str, view: Any, start: int, last: Any) -> bool:
     """The backend's ``tail_may_hit`` on the first page of ``view`` from token
     ``start`` (behind device node ``last``), hashed as the wrapper's
     ``_tail_hashes`` hashes it; True when there is no such hash."""
@@ -389,7 +387,7 @@ def _around_commit_completed_offloads(
             if node is not None:
                 evicted += stored_marks.committed(core, node, stored)
     if evicted:
-        clear_stored_marks(wrapper.cache, evicted)
+        stored_marks.clear_stored_marks(wrapper.cache, evicted)
     return result
 
 
@@ -435,7 +433,7 @@ def _after_check_hicache_events(result: Any, cache: Any) -> None:
     removed = linker_hook(backend, "take_removed_page_hashes")()
     union = stored_marks.gather_union(cache, removed)
     if union:
-        clear_stored_marks(cache, union)
+        stored_marks.clear_stored_marks(cache, union)
 
 
 def nccl_group_over(group: Any) -> Any:

@@ -120,8 +120,6 @@ def reduce_groups(cache: Any) -> list[Any]:
     """The groups ``_all_reduce_attn_groups`` reduces over, in its order: the
     attention CP and TP groups of more than one rank, else the TP group when
     it has more than one; none on a single attention rank."""
-    if not torch.distributed.is_initialized():
-        return []
     groups = [g for g in (cache.attn_cp_group, cache.attn_tp_group) if g is not None]
     groups = [g for g in groups if torch.distributed.get_world_size(group=g) > 1]
     if not groups and cache.tp_world_size > 1:
@@ -136,6 +134,8 @@ def gather_union(cache: Any, removed: list[str]) -> list[str]:
     pair offload results by position agree on which stored marks to clear.
     """
     merged = set(removed)
+    if not torch.distributed.is_initialized():
+        return sorted(merged)
     groups = reduce_groups(cache)
     if not groups:
         return sorted(merged)
