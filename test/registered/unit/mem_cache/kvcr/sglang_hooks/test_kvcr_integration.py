@@ -401,6 +401,23 @@ def test_a_cold_prompt_skips_the_tree_walk_and_a_device_prefix_still_anchors_its
     assert linker.stats.prepare_skipped == 2
 
 
+def test_an_evicted_prompt_is_prepared_without_the_tree_walk(make_stack, monkeypatch):
+    """Off the device but in KVCR: still no walk (the skip is the tree's word,
+    the same on every rank whatever each one's KVCR holds), and prepared."""
+    stack = make_stack()
+    cache, linker = stack.cache, stack.linker
+    y = list(range(1000, 1000 + 2 * PAGE))
+    insert_and_commit(stack, y, seed=6)
+    evict_from_device(stack, y)
+    walks: list[int] = []
+    walk = cache.match_prefix
+    monkeypatch.setattr(cache, "match_prefix", lambda p: walks.append(1) or walk(p))
+    enqueue(StubScheduler(cache), make_req("y", [*y, 1]))
+    assert walks == []
+    assert linker.preparations.get("y") is not None
+    assert linker.stats.prepare_skipped == 0
+
+
 def test_one_attention_rank_gates_readiness_without_a_tensor_or_a_collective(
     make_stack, monkeypatch
 ):

@@ -504,6 +504,8 @@ def test_prefill_gate_passes_the_queue_through_without_a_collective(mooncake_env
     with (
         mock.patch.object(cache, "_all_reduce_attn_groups") as reduce,
         mock.patch("torch.distributed.all_reduce") as all_reduce,
+        # Single-rank, the gate would reduce nothing: it must not run at all.
+        mock.patch.object(integration, "wrapper_sync_preparation") as gate,
     ):
         result = integration._around_get_new_batch_prefill(
             original, scheduler, "delayer", running_batch="rb"
@@ -515,6 +517,7 @@ def test_prefill_gate_passes_the_queue_through_without_a_collective(mooncake_env
     assert scheduler.waiting_queue is queue and queue == reqs
     reduce.assert_not_called()
     all_reduce.assert_not_called()
+    gate.assert_not_called()
 
 
 def test_release_and_event_hooks_add_nothing_for_mooncake(mooncake_env):

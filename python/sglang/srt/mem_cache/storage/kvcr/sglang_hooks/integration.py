@@ -119,7 +119,8 @@ def require_hooks_installed() -> None:
 
 
 def wrapper_prepare_request(wrapper: Any, req: Any) -> Any:
-    """Device-only match of ``req`` at enqueue, then hand the tail to the backend.
+    """Device-only match of ``req`` at enqueue (none when the tree has no node
+    for its first page), then hand the tail to the backend.
 
     No ``lookup`` and no collective: ``match_prefix`` with ``req=None`` skips the
     linker. Every attention rank enqueues the same requests in the same order.
