@@ -94,11 +94,14 @@ def bench_decode_itl(
 ) -> None:
     """Foreground decode ITL of one streaming request while paced unique prompts
     make the kvcr server write pages through, kvcr against none, rounds in
-    alternating order (one server running at a time)."""
+    alternating order (one server running at a time). SGLang's linker mode
+    (the null linker), when that control server runs, decodes the same rounds:
+    its figures are in the summary, not in the metrics."""
     page = args.ttft_page_size
     vocab = 300
     fg = decode_itl.prompt_maker(args.seed + 40, 48, vocab)
-    runs = {name: servers[name] for name in ("none", "kvcr")}
+    arms = ("none", "kvcr", "null_linker")
+    runs = {name: servers[name] for name in arms if name in servers}
     itl: dict[str, Any] = {
         "method": decode_itl.__doc__,
         "background_prompt_len": args.ttft_prompt_len,
