@@ -179,6 +179,19 @@ def enqueue(scheduler: StubScheduler, req: Any) -> None:
     Scheduler._add_request_to_queue(scheduler, req)
 
 
+def count_walks(monkeypatch: Any, cache: Any) -> list[int]:
+    """Every device match (tree walk) of ``cache`` from now on, by key length."""
+    walks: list[int] = []
+    walk = cache.match_prefix
+
+    def counting(params: Any) -> Any:
+        walks.append(len(params.key))
+        return walk(params)
+
+    monkeypatch.setattr(cache, "match_prefix", counting)
+    return walks
+
+
 def ids(reqs: list[Any]) -> list[str]:
     return [r.rid for r in reqs]
 
@@ -318,7 +331,9 @@ def test_a_cold_tail_is_not_prepared_and_only_its_first_page_is_hashed(
     """Hint-less, first tail page not resident: no preparation and no full tail
     hash at enqueue (``prepare_skipped``), and the request is admitted at once.
     Its first page resident (the rest not): prepared through the full path. An
-    attempt with an earlier preparation always takes the full path."""
+    attempt with an earlier preparation always takes the full path. Neither
+    prompt has a device node, so neither is walked: the skip is the tree's
+    word, the same on every rank whatever each one's KVCR holds."""
     stack = make_stack()
     cache, linker = stack.cache, stack.linker
     resident = list(range(500, 500 + 2 * PAGE))
@@ -332,6 +347,7 @@ def test_a_cold_tail_is_not_prepared_and_only_its_first_page_is_hashed(
         return tail_hashes(wrapper, *args, **kwargs)
 
     monkeypatch.setattr(type(cache.linker), "_tail_hashes", counting)
+    walks = count_walks(monkeypatch, cache)
     sched = StubScheduler(cache)
     cold = make_req("cold", [*range(700, 700 + 3 * PAGE), 1])
     enqueue(sched, cold)
@@ -343,9 +359,10 @@ def test_a_cold_tail_is_not_prepared_and_only_its_first_page_is_hashed(
     assert full_tails == [1]
     assert linker.preparations.get("warm") is not None
     assert linker.stats.prepare_skipped == 1
+    assert walks == []
     # A new attempt of a prepared request (retract, requeue) replaces the old
     # preparation through the full path even when its first page left DRAM.
-    monkeypatch.setattr(linker, "residency", _NothingResident(linker.residency))
+    monkeypatch.setattr(linker, "residency", _Hiding(linker.residency))
     enqueue(sched, warm)
     assert full_tails == [1, 1]
     assert linker.stats.prepare_skipped == 1
@@ -370,14 +387,7 @@ def test_a_cold_prompt_skips_the_tree_walk_and_a_device_prefix_still_anchors_its
     insert_and_commit(stack, branch, seed=4, salt=salt)
     cache.evict(EvictParams(num_tokens=2 * PAGE))
     assert device_match(cache, x, salt).device_prefix_len == 2 * PAGE
-    walks: list[int] = []
-    walk = cache.match_prefix
-
-    def counting(params: Any) -> Any:
-        walks.append(len(params.key))
-        return walk(params)
-
-    monkeypatch.setattr(cache, "match_prefix", counting)
+    walks = count_walks(monkeypatch, cache)
     sched = StubScheduler(cache)
     enqueue(sched, make_req("cold", [*range(700, 700 + 3 * PAGE), 1]))
     assert walks == []
@@ -399,23 +409,6 @@ def test_a_cold_prompt_skips_the_tree_walk_and_a_device_prefix_still_anchors_its
     assert len(walks) == 1
     assert linker.preparations.get("a") is not None
     assert linker.stats.prepare_skipped == 2
-
-
-def test_an_evicted_prompt_is_prepared_without_the_tree_walk(make_stack, monkeypatch):
-    """Off the device but in KVCR: still no walk (the skip is the tree's word,
-    the same on every rank whatever each one's KVCR holds), and prepared."""
-    stack = make_stack()
-    cache, linker = stack.cache, stack.linker
-    y = list(range(1000, 1000 + 2 * PAGE))
-    insert_and_commit(stack, y, seed=6)
-    evict_from_device(stack, y)
-    walks: list[int] = []
-    walk = cache.match_prefix
-    monkeypatch.setattr(cache, "match_prefix", lambda p: walks.append(1) or walk(p))
-    enqueue(StubScheduler(cache), make_req("y", [*y, 1]))
-    assert walks == []
-    assert linker.preparations.get("y") is not None
-    assert linker.stats.prepare_skipped == 0
 
 
 def test_one_attention_rank_gates_readiness_without_a_tensor_or_a_collective(
@@ -448,29 +441,19 @@ class _NoTensors:
 
 
 class _Hiding:
-    """A residency index that does not hold ``hidden`` page hashes."""
+    """A residency index that does not hold the ``hidden`` page hashes (None:
+    no page and no key at all); everything else passes through."""
 
-    def __init__(self, inner: Any, hidden: set[str]) -> None:
+    def __init__(self, inner: Any, hidden: set[str] | None = None) -> None:
         self._inner, self._hidden = inner, hidden
 
     def holds(self, page_hash: str, pools: Any) -> bool:
-        return page_hash not in self._hidden and self._inner.holds(page_hash, pools)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
-class _NothingResident:
-    """A residency index that holds no page (everything else passes through)."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def holds(self, *args: Any, **kwargs: Any) -> bool:
-        return False
+        if self._hidden is None or page_hash in self._hidden:
+            return False
+        return self._inner.holds(page_hash, pools)
 
     def __contains__(self, key: Any) -> bool:
-        return False
+        return self._hidden is not None and key in self._inner
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
