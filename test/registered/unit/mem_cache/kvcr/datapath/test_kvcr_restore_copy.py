@@ -35,6 +35,45 @@ def test_plan_segments_breaks_on_stride_change_and_backwards_steps() -> None:
     assert plan_segments([]) == []
 
 
+def _segments_page_by_page(slots):
+    """The rule plan_segments implements, page by page: a run grows while every
+    part steps by the run's one positive stride."""
+    out, i = [], 0
+    while i < len(slots):
+        j, stride = i + 1, 0
+        while j < len(slots):
+            steps = {b - a for a, b in zip(slots[j - 1], slots[j], strict=True)}
+            step = steps.pop() if len(steps) == 1 else 0
+            if step <= 0 or (stride and step != stride):
+                break
+            stride, j = step, j + 1
+        out.append(Segment(i, j, slots[i], stride or 1))
+        i = j
+    return out
+
+
+def test_plan_segments_agrees_with_the_page_by_page_rule() -> None:
+    # Slot lists as KVCR hands them out (one run), with a page moved, a stride
+    # changed, a part out of order or a page repeated: the one-pass check must
+    # take exactly the single runs and leave the rest to the page-by-page split.
+    rng = random.Random(23)
+    single = split = 0
+    for _ in range(3000):
+        parts, stride = rng.choice([1, 2, 4]), rng.choice([1, 1, 2, 3])
+        at, slots = rng.randrange(64), []
+        for _ in range(rng.randrange(0, 9)):
+            slots.append(tuple(range(at * parts, at * parts + parts)))
+            at += stride if rng.random() < 0.85 else rng.choice([-2, 0, 1, 5])
+        if slots and parts > 1 and rng.random() < 0.1:
+            k = rng.randrange(len(slots))
+            slots[k] = slots[k][::-1]
+        got = plan_segments(slots)
+        assert got == _segments_page_by_page(slots), slots
+        single += len(slots) > 1 and len(got) == 1
+        split += len(got) > 1
+    assert single >= 600 and split >= 600  # both paths drawn often
+
+
 def _layout(rng, source, dest, *, parts, pages, objects, dest_rows):
     """Source slots (object-major, optionally shuffled, in two runs or every
     other slot) and

@@ -74,8 +74,7 @@ def plan_load(
     claims; the claims it takes leave ``prep``."""
     kv = by_source["kv"]
     page_hashes = list(kv.keys or ())
-    slots: dict[str, list[tuple[int, ...]]] = {p.name: [] for p in layout.pools}
-    claims: list[ClaimId] = []
+    slots: dict[str, list[tuple[int, ...]]] = {}
     complete = prep is not None
     # Trailing pools restore their transfer's pages: the tail's last ones.
     trailing: dict[str, dict[str, int]] = {}
@@ -90,20 +89,28 @@ def plan_load(
         ):
             complete = False  # the window must be the restored pages' trailing ones
         trailing[source] = order
-    for page_hash in page_hashes:
-        index = None if prep is None else prep.index_of(page_hash)
-        landed = (
-            None if prep is None or index is None else prep.landed.pop(index, None)
-        ) or {}
-        claims.extend(c.claim for c in landed.values())  # released after delivery
-        for pool in layout.pools:
-            if pool.trailing and page_hash not in trailing[pool.indices_from]:
-                continue
-            entry = landed.get(pool.name)
-            if entry is None:
-                complete = False
-                continue
-            slots[pool.name].append(entry.slots)
+    # Every page's claimed objects, taken out of ``prep`` in one pass ({} where
+    # none landed); their claims are released after delivery.
+    taken = (
+        [{}] * len(page_hashes)
+        if prep is None
+        else prep.landed.take(prep.indices_of(page_hashes))
+    )
+    claims: list[ClaimId] = [c.claim for objs in taken for c in objs.values()]
+    for pool in layout.pools:
+        name = pool.name
+        if pool.trailing:
+            window = trailing[pool.indices_from]
+            entries = [
+                o.get(name)
+                for h, o in zip(page_hashes, taken, strict=True)
+                if h in window
+            ]
+        else:
+            entries = [o.get(name) for o in taken]
+        if any(entry is None for entry in entries):
+            complete = False
+        slots[name] = [entry.slots for entry in entries if entry is not None]
     # Destination pages stay where SGLang computed them (no host sync): each
     # pool takes its source transfer's pages in order, translated as its entry
     # does (trailing transfers' keys are the tail's last pages, checked above).

@@ -40,6 +40,9 @@ class Segment:
 def plan_segments(src_slots: Sequence[tuple[int, ...]]) -> list[Segment]:
     """Split the pages into maximal runs whose source slots advance by one
     positive stride in every part (a single page is a run of stride 1)."""
+    one = _one_run(src_slots)
+    if one is not None:
+        return [one]
     segments: list[Segment] = []
     n, i = len(src_slots), 0
     while i < n:
@@ -56,6 +59,23 @@ def plan_segments(src_slots: Sequence[tuple[int, ...]]) -> list[Segment]:
         segments.append(Segment(i, j, src_slots[i], stride or 1))
         i = j
     return segments
+
+
+def _one_run(src_slots: Sequence[tuple[int, ...]]) -> Segment | None:
+    """The usual restore (KVCR hands out slots in order) as one segment, checked
+    in one numpy pass; None when it is not one run (or the pages' part counts
+    differ): the caller then splits it page by page."""
+    n = len(src_slots)
+    if n < 2:
+        return Segment(0, n, src_slots[0], 1) if n else None
+    try:
+        steps = np.diff(np.asarray(src_slots, dtype=np.int64), axis=0)
+    except ValueError:  # ragged: pages with different part counts
+        return None
+    stride = int(steps[0, 0])
+    if steps.ndim != 2 or stride <= 0 or not bool((steps == stride).all()):
+        return None
+    return Segment(0, n, src_slots[0], stride)
 
 
 def wide_rows(rows: torch.Tensor) -> torch.Tensor:

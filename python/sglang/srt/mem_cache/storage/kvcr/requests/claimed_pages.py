@@ -91,6 +91,22 @@ class Landed(dict[int, dict[str, ClaimedPage]]):
         self.ledger.bytes -= sum(p.nbytes for p in objs.values())
         return objs
 
+    def take(self, indices: list[int | None]) -> list[dict[str, ClaimedPage]]:
+        """``pop`` of each index in order (``{}`` for None or an index not held),
+        the ledger updated once: a load takes every page of its tail."""
+        pop, nbytes = super().pop, 0
+        taken: list[dict[str, ClaimedPage]] = []
+        for index in indices:
+            objs = None if index is None else pop(index, None)
+            if objs is None:
+                taken.append({})
+                continue
+            taken.append(objs)
+            for page in objs.values():
+                nbytes += page.nbytes
+        self.ledger.bytes -= nbytes
+        return taken
+
     def clear(self) -> None:
         self.ledger.bytes -= sum(p.nbytes for o in self.values() for p in o.values())
         super().clear()
@@ -117,11 +133,20 @@ class Preparation:
     def index_of(self, page_hash: str) -> int | None:
         if self.page_hashes and self.page_hashes[0] == page_hash:
             return 0  # the usual case: asked about the tail it was prepared for
+        return self._positions().get(page_hash)
+
+    def indices_of(self, page_hashes: list[str]) -> list[int | None]:
+        """``index_of`` of each of ``page_hashes`` (a load's whole tail)."""
+        positions = self._positions()
+        return [positions.get(h) for h in page_hashes]
+
+    def _positions(self) -> dict[str, int]:
+        """Page hash -> its first index in the prepared tail, built once."""
         if self.positions is None:
             self.positions = {}
             for i, h in enumerate(self.page_hashes):
                 self.positions.setdefault(h, i)
-        return self.positions.get(page_hash)
+        return self.positions
 
     def restorable(
         self,
