@@ -177,8 +177,11 @@ def resume(server: harness.ServerHandle) -> None:
         os.killpg(server.pgid, signal.SIGCONT)
 
 
+SETTLE_S = 0.1  # deferred work after a response (a write-through) ends within it
+
+
 @contextlib.contextmanager
-def running(server: harness.ServerHandle, settle_s: float = 0.1) -> Iterator[None]:
+def running(server: harness.ServerHandle, settle_s: float = SETTLE_S) -> Iterator[None]:
     """Resume a paused server for one measurement, letting deferred work settle."""
     resume(server)
     time.sleep(settle_s)

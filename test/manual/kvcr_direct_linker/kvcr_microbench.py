@@ -42,8 +42,9 @@ Measures, in one run and side by side:
 (g) ``replay_ttft_vs_device_hit`` / ``replay_ttft_vs_recompute`` (serving section,
     between the decode ITL and the TTFT rounds): each of ``--replay-rounds`` rounds (after one
     warm-up) sends a fresh seed prompt P to the kvcr and none servers in turn: cold,
-    at once again (a device radix-cache hit), then unique fillers that cycle the
-    device pool twice, then P again. On kvcr that replay is served from KVCR (the
+    again after a 0.1 s pause (a device radix-cache hit), then unique fillers that
+    cycle the device pool twice, then, after the same pause, P again (the pauses
+    keep the write-through of the request before out of each sample). On kvcr that replay is served from KVCR (the
     linker wrote P through before the fillers evicted it from the device), on none
     it is recomputed; the cached tokens each server reports must say so, or both
     metrics fail with the reason. Median kvcr replay TTFT over the median kvcr
@@ -127,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--replay-rounds",
         type=int,
-        default=9,
+        default=25,
         help="evict-and-replay rounds after one warm-up (each cycles the device "
         "pool of kvcr and none twice)",
     )

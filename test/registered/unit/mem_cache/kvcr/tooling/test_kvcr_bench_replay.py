@@ -188,3 +188,59 @@ def test_prefill_chunk_is_whole_pages_and_holds_a_prompt():
     for tokens, page, want in cases:
         got = serving.prefill_chunk(tokens, page)
         assert got == want and got % page == 0 and got >= tokens, (tokens, page)
+
+
+def test_the_hit_and_the_replay_each_start_after_a_pause(monkeypatch):
+    """Each kvcr hit and replay sample starts ``SETTLE_S`` after the request
+    before it (the cold P, the last filler), whose write-through runs a few ms
+    after its response; the pauses are not counted as the server's running time."""
+    import contextlib
+    from types import SimpleNamespace
+
+    events: list[tuple[str, str]] = []
+    kinds = iter(["cold", "hit", "replay"] * 8)
+
+    def stream_ttft(server, ids, n, timeout):
+        kind = next(kinds)
+        events.append((server.base_url, kind))
+        if kind == "hit":
+            return sample(10.0, device=NEED)
+        if kind == "replay" and server.base_url == "kvcr":
+            return sample(11.0, external=NEED)
+        return sample(20.0)
+
+    def generate(name):
+        return lambda **k: events.append((name, "filler"))
+
+    monkeypatch.setattr(serving, "stream_ttft", stream_ttft)
+    monkeypatch.setattr(serving, "running", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(
+        serving_replay.time, "sleep", lambda s: events.append(("", f"sleep {s}"))
+    )
+    line = stats_line({"offloads": 1, "offload_pages": 2, "offloaded_bytes": 3})
+    servers = {
+        n: SimpleNamespace(base_url=n, generate=generate(n), log_text=lambda: "")
+        for n in ("none", "kvcr")
+    }
+    args = SimpleNamespace(
+        ttft_prompt_len=64,
+        ttft_page_size=16,
+        seed=0,
+        replay_rounds=1,
+        itl_stats_wait_s=0.0,
+    )
+    details = {"decode_itl": {"kvcr_stats_after": ("2000-01-01 00:00:00", line)}}
+    monkeypatch.setattr(
+        "kvcr_drivers.bench.serving_micro.stats_after", lambda *a: ("x", line)
+    )
+    metrics: list[dict[str, Any]] = []
+    serving_replay.bench_replay(args, servers, 128, details, metrics)
+    pause = ("", f"sleep {serving_replay.SETTLE_S}")
+    for name in ("none", "kvcr"):
+        mine = [e for e in events if e[0] in (name, "")]
+        for i, (_, kind) in enumerate(mine):
+            if kind in ("hit", "replay"):
+                assert mine[i - 1] == pause, (name, kind, mine[i - 1])
+    assert serving_replay.SETTLE_S > 0
+    assert [k for _, k in events].count(pause[1]) == 2 * 2 * 2  # 2 rounds x 2 servers
+    assert 0 <= details["replay"]["kvcr_running_s"] < serving_replay.SETTLE_S
