@@ -250,3 +250,44 @@ def test_a_withdrawn_offload_leaves_no_result_and_reset_returns_held_slots():
     assert queue.on_done(OpDone(2, OpKind.DEPOSIT, {}))[0] is None
     assert queue.reset() == [(4,)]
     assert len(queue) == 0 and queue.completed() == 0
+
+
+def test_a_load_takes_each_claimed_page_once_and_its_bytes_off_the_ledger():
+    """``plan_load`` takes the claims of its tail's pages out of the preparation
+    in page order (a repeated page only once), the ledger loses their bytes, and
+    a page without its claim makes the job incomplete, never a slot guessed."""
+    import torch
+
+    from sglang.srt.mem_cache.storage.kvcr.datapath.restore import plan_load
+    from sglang.srt.mem_cache.storage.kvcr.requests.claimed_pages import ClaimedPage
+
+    pool = SimpleNamespace(
+        name="kv",
+        trailing=False,
+        indices_from="kv",
+        device_pages=lambda idx, pages, size: idx[: pages * size : size] // size,
+    )
+    layout = SimpleNamespace(pools=[pool], window_groups=[])
+
+    def job(keys, landed):
+        preps = Preparations(LinkerStats())
+        prep, _ = preps.begin(LinkerRequestContext("r", 0), list(PAGES), 30.0, False)
+        prep.landed.add_pool(
+            "kv", [(i, ClaimedPage(50 + i, (2 * i, 2 * i + 1), 10)) for i in landed]
+        )
+        kv = SimpleNamespace(keys=keys, device_indices=torch.arange(4 * len(keys)))
+        return preps, prep, plan_load("r", prep, {"kv": kv}, layout, 4)
+
+    preps, prep, whole = job(["p1", "p2"], [0, 1, 2])
+    assert whole.complete and whole.claims == [51, 52]
+    assert whole.slots == {"kv": [(2, 3), (4, 5)]}
+    assert whole.dest_pages["kv"].tolist() == [0, 1]
+    assert list(prep.landed) == [0] and preps.claimed_bytes() == 10  # p0 stays
+    _, prep, twice = job(["p1", "p1"], [1])
+    assert not twice.complete and twice.claims == [51] and prep.landed == {}
+    preps, prep, gap = job(["p0", "p1", "p2"], [0, 2])
+    assert not gap.complete and gap.claims == [50, 52]
+    assert gap.dest_pages == {} and preps.claimed_bytes() == 0
+    kv = SimpleNamespace(keys=["p0"], device_indices=torch.arange(4))
+    orphan = plan_load("r", None, {"kv": kv}, layout, 4)
+    assert not orphan.complete and orphan.claims == [] and orphan.slots == {"kv": []}

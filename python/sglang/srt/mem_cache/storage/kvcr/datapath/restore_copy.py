@@ -70,10 +70,12 @@ def _one_run(src_slots: Sequence[tuple[int, ...]]) -> Segment | None:
         return Segment(0, n, src_slots[0], 1) if n else None
     try:
         steps = np.diff(np.asarray(src_slots, dtype=np.int64), axis=0)
-    except ValueError:  # ragged: pages with different part counts
+    except (ValueError, OverflowError):  # ragged parts, or not slot numbers
+        return None
+    if steps.ndim != 2 or steps.shape[1] == 0:
         return None
     stride = int(steps[0, 0])
-    if steps.ndim != 2 or stride <= 0 or not bool((steps == stride).all()):
+    if stride <= 0 or not bool((steps == stride).all()):
         return None
     return Segment(0, n, src_slots[0], stride)
 

@@ -59,8 +59,8 @@ class ClaimLedger:
 
 class Landed(dict[int, dict[str, ClaimedPage]]):
     """A preparation's claimed pages: page index -> {pool name: its object}.
-    Whatever takes pages out (a load takes a page's claims with ``pop``, a drop
-    clears them) takes their bytes off the rank's ``ClaimLedger``."""
+    Whatever takes pages out (a load takes its pages' claims with ``take``, a
+    drop clears them) takes their bytes off the rank's ``ClaimLedger``."""
 
     __slots__ = ("ledger",)
 
