@@ -7,7 +7,7 @@ A round sends each of the two servers, in alternating order, the same fresh seed
 prompt P cold, then P again (a device radix-cache hit), then ``fillers`` unique
 prompts that cycle the device pool twice (``2 * max_total // prompt_len + 2``,
 the rule of kvcr_bench's ``evict_replay``), then P once more. The hit and the
-replay each wait ``SETTLE_S`` first, so that neither sample also holds the
+replay each wait ``serving.SETTLE_S`` first, so that neither sample also holds the
 write-through of the request before it (on kvcr), only its own work. On ``kvcr`` the
 last P is served from KVCR: the linker wrote P's pages through when they were
 inserted and the fillers evicted them from the device. On ``none`` (no external
@@ -48,11 +48,6 @@ WRITE_THROUGH_METRICS = ("write_through_pages_per_s", "write_through_refusals")
 REFUSAL_FIELDS = ("offload_failures", "refused_offload", "staging_full")
 PAGE_FIELDS = ("offloads", "offload_pages", "offloaded_bytes")
 HIT_SHARE = 0.9  # of the page-aligned prompt, as kvcr_bench's replay check
-# Before the device hit and before the replay: the request just before each (the
-# cold P, the last filler) writes its pages through a few ms after its response,
-# on the same cores; without the pause that deposit ran inside the next sample
-# (run J: a device hit 32.8 ms against a 26.2 ms recompute on the other server).
-SETTLE_S = serving.SETTLE_S
 
 
 def fillers_for(max_total_tokens: int, prompt_len: int) -> int:
@@ -244,11 +239,16 @@ def bench_replay(
             t0 = time.monotonic()
             with serving.running(server):
                 s = {"cold": serving.stream_ttft(server, seed, 1, timeout=120.0)}
-                time.sleep(SETTLE_S)  # the cold P's write-through ends first
+                # The request before each of the hit and the replay (the cold
+                # P, the last filler) writes its pages through a few ms after its
+                # response, on the same cores: without the pause that deposit ran
+                # inside the next sample (run J: a device hit 32.8 ms against a
+                # 26.2 ms recompute on the other server).
+                time.sleep(serving.SETTLE_S)
                 s["hit"] = serving.stream_ttft(server, seed, 1, timeout=120.0)
                 for ids in filler:
                     server.generate(input_ids=ids, max_new_tokens=1, timeout=120.0)
-                time.sleep(SETTLE_S)  # and the last filler's
+                time.sleep(serving.SETTLE_S)
                 s["replay"] = serving.stream_ttft(server, seed, 1, timeout=120.0)
             if name == "kvcr":  # pauses included: the write-throughs run in them
                 running_s += time.monotonic() - t0

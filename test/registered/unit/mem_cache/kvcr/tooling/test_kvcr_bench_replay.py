@@ -10,6 +10,8 @@ the warm-up round out.
 
 from __future__ import annotations
 
+import contextlib
+from types import SimpleNamespace
 from typing import Any
 
 from kvcr_drivers.bench import serving, serving_replay
@@ -191,12 +193,9 @@ def test_prefill_chunk_is_whole_pages_and_holds_a_prompt():
 
 
 def test_the_hit_and_the_replay_each_start_after_a_pause(monkeypatch):
-    """Each hit and replay sample starts ``SETTLE_S`` after the request before
+    """Each hit and replay sample starts ``serving.SETTLE_S`` after the request before
     it (the cold P, the last filler), whose write-through runs a few ms after its
     response, on both servers alike."""
-    import contextlib
-    from types import SimpleNamespace
-
     events: list[tuple[str, str]] = []
     kinds = iter(["cold", "hit", "replay"] * 8)
 
@@ -217,7 +216,7 @@ def test_the_hit_and_the_replay_each_start_after_a_pause(monkeypatch):
     monkeypatch.setattr(
         serving_replay.time, "sleep", lambda s: events.append(("", f"sleep {s}"))
     )
-    line = stats_line({"offloads": 1, "offload_pages": 2, "offloaded_bytes": 3})
+    stats = line(offloads=1, offload_pages=2, offloaded_bytes=3)
     servers = {
         n: SimpleNamespace(base_url=n, generate=generate(n), log_text=lambda: "")
         for n in ("none", "kvcr")
@@ -229,17 +228,17 @@ def test_the_hit_and_the_replay_each_start_after_a_pause(monkeypatch):
         replay_rounds=1,
         itl_stats_wait_s=0.0,
     )
-    details = {"decode_itl": {"kvcr_stats_after": ("2000-01-01 00:00:00", line)}}
+    details = {"decode_itl": {"kvcr_stats_after": ("2000-01-01 00:00:00", stats)}}
     monkeypatch.setattr(
-        "kvcr_drivers.bench.serving_micro.stats_after", lambda *a: ("x", line)
+        "kvcr_drivers.bench.serving_micro.stats_after", lambda *a: ("x", stats)
     )
     metrics: list[dict[str, Any]] = []
     serving_replay.bench_replay(args, servers, 128, details, metrics)
-    pause = ("", f"sleep {serving_replay.SETTLE_S}")
+    pause = ("", f"sleep {serving.SETTLE_S}")
     for name in ("none", "kvcr"):
         mine = [e for e in events if e[0] in (name, "")]
         for i, (_, kind) in enumerate(mine):
             if kind in ("hit", "replay"):
                 assert mine[i - 1] == pause, (name, kind, mine[i - 1])
-    assert serving_replay.SETTLE_S > 0
+    assert serving.SETTLE_S > 0
     assert [k for _, k in events].count(pause[1]) == 2 * 2 * 2  # 2 rounds x 2 servers
