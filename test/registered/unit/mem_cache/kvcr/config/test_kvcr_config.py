@@ -347,6 +347,39 @@ def test_an_idle_progress_sleep_near_the_operation_timeout_is_refused():
             )
 
 
+def test_an_unset_idle_progress_sleep_is_100_ms_or_a_quarter_of_the_timeout():
+    """Unset, the idle sleep follows the operation timeout (never over a quarter of
+    it, never over 100 ms); a value given, null included, is taken as given."""
+    derived = {
+        timeout: KVCRLinkerConfig.from_dict(
+            {**GOOD, "operation_timeout_ms": timeout, "abandon_timeout_ms": 2 * timeout}
+        ).progress_idle_ms
+        for timeout in (1, 3, 4, 300, 399, 400, 1000, 10_000)
+    }
+    assert derived == {
+        1: 0,
+        3: 0,
+        4: 1,
+        300: 75,
+        399: 99,
+        400: 100,
+        1000: 100,
+        10_000: 100,
+    }
+    assert (
+        KVCRLinkerConfig.from_dict({**GOOD, "progress_idle_ms": None}).progress_idle_ms
+        == 100
+    )
+    assert (
+        KVCRLinkerConfig.from_dict({**GOOD, "progress_idle_ms": 7}).progress_idle_ms
+        == 7
+    )
+    # A bad timeout is named as the bad value, not the sleep derived from it.
+    for timeout in ("1000", 1.5, True, 0):
+        with pytest.raises(KVCRConfigError, match="operation_timeout_ms"):
+            KVCRLinkerConfig.from_dict({**GOOD, "operation_timeout_ms": timeout})
+
+
 def test_gil_switch_interval_is_zero_or_a_sane_bound():
     assert KVCRLinkerConfig.from_dict(GOOD).gil_switch_interval_us == 500
     for value in (0, 50, 5000):

@@ -4,10 +4,10 @@
 ``--unified-cache-external-linker-backend kvcr`` the object *is* this config; with
 the stock ``dynamic`` backend it goes under ``linker_extra_config``. Parsing rejects
 unknown keys by name, refuses the legacy ``local_dram_bytes`` with a migration hint,
-and checks ranges and cross-field rules, so a bad value fails at startup with one
-line that names the field and the fix (the value checks live in ``value_checks``).
-This module imports nothing heavy (no torch, kvcr or nixl): SGLang's frontend
-validates the config while it parses its arguments, before any worker starts.
+and checks ranges and cross-field rules: a bad value fails at startup with one line
+naming the field and the fix (value checks: ``value_checks``). Nothing heavy is
+imported (no torch, kvcr or nixl): SGLang's frontend validates the config while it
+parses its arguments, before any worker starts.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class KVCRLinkerConfig:
         ),
     )
     idle_offload_delay_us: int = dataclasses.field(
-        default=3000,
+        default=10000,
         metadata=_doc(
             "On an idle scheduler, how long after its offload a write-through's "
             "deposit waits, so that its work (owner and copier threads, the GIL, "
@@ -198,17 +198,16 @@ class KVCRLinkerConfig:
     max_quarantined_cores: int = dataclasses.field(
         default=1,
         metadata=_doc(
-            "How many KVCR DRAM shares a worker may quarantine (a flush whose old "
-            "KVCR could not prove quiescence, e.g. a dead peer's transfer, keeps "
-            "its DRAM locked and allocates a fresh share). Once reached, the "
-            "worker stops taking peer fetches (hints are ignored and counted); a "
-            "further unclean flush past the bound gives the new KVCR one page per "
-            "pool and the linker restores and stores nothing (its requests "
-            "recompute; restore_disabled misses), so host memory never exceeds "
-            "(max + 1) shares. Each flush asks quarantined cores "
-            "whether they have proven quiescent since (a dead peer restarted): "
-            "their DRAM, still locked, is then reused, and peer fetches resume "
-            "once under the bound. 0 stops peer fetches for good at the first."
+            "How many KVCR DRAM shares a worker may quarantine (a flush whose old KVCR "
+            "could not prove quiescence, e.g. a dead peer's transfer, keeps its DRAM "
+            "locked and allocates a fresh share). Once reached, the worker stops "
+            "taking peer fetches (hints are ignored and counted); a further unclean "
+            "flush past the bound gives the new KVCR one page per pool and the linker "
+            "restores and stores nothing (its requests recompute; restore_disabled "
+            "misses), so host memory never exceeds (max + 1) shares. Each flush asks "
+            "quarantined cores whether they have proven quiescent since (a dead peer "
+            "restarted): their DRAM, still locked, is then reused, and peer fetches "
+            "resume once under the bound. 0 stops peer fetches for good at the first."
         ),
     )
     owner_wait_timeout_s: float = dataclasses.field(
@@ -225,14 +224,14 @@ class KVCRLinkerConfig:
             "idle KVCR; off, KVCR's own progress loop drives NIXL without spinning."
         ),
     )
-    progress_idle_ms: int = dataclasses.field(
-        default=20,
+    progress_idle_ms: int | None = dataclasses.field(
+        default=None,
         metadata=_doc(
             "Longest an idle KVCR progress loop sleeps (kvcr itself wakes every 1 ms, "
             "taking the GIL next to the forward). This worker's own operations and "
             "a peer's control message wake it at once. 0 keeps kvcr's 1 ms loop. At "
             "most a quarter of operation_timeout_ms (kvcr stops serving peers after "
-            "a longer gap)."
+            "a longer gap). Unset (null): 100, or that quarter when it is less."
         ),
     )
     gil_switch_interval_us: int = dataclasses.field(
@@ -299,6 +298,9 @@ class KVCRLinkerConfig:
     )
 
     def __post_init__(self) -> None:
+        timeout = self.operation_timeout_ms  # progress_idle_ms unset: see its doc
+        if self.progress_idle_ms is None and type(timeout) is int:
+            object.__setattr__(self, "progress_idle_ms", min(100, timeout // 4))
         _check(self)
 
     @property
