@@ -348,12 +348,22 @@ def test_an_idle_progress_sleep_near_the_operation_timeout_is_refused():
 
 
 def test_an_unset_idle_progress_sleep_is_100_ms_or_a_quarter_of_the_timeout():
-    """Unset, the idle sleep follows the operation timeout (never over a quarter of
-    it, never over 100 ms); a value given, null included, is taken as given."""
+    """Unset (or null), the idle sleep follows the operation timeout: never over a
+    quarter of it, never over 100 ms, and again after a replace; a value given is
+    taken as given."""
+
+    def config(timeout: int, **more: object) -> KVCRLinkerConfig:
+        return KVCRLinkerConfig.from_dict(
+            {
+                **GOOD,
+                "operation_timeout_ms": timeout,
+                "abandon_timeout_ms": 2 * timeout,
+                **more,
+            }
+        )
+
     derived = {
-        timeout: KVCRLinkerConfig.from_dict(
-            {**GOOD, "operation_timeout_ms": timeout, "abandon_timeout_ms": 2 * timeout}
-        ).progress_idle_ms
+        timeout: config(timeout).idle_sleep_ms
         for timeout in (1, 3, 4, 300, 399, 400, 1000, 10_000)
     }
     assert derived == {
@@ -366,14 +376,13 @@ def test_an_unset_idle_progress_sleep_is_100_ms_or_a_quarter_of_the_timeout():
         1000: 100,
         10_000: 100,
     }
-    assert (
-        KVCRLinkerConfig.from_dict({**GOOD, "progress_idle_ms": None}).progress_idle_ms
-        == 100
+    assert config(300).progress_idle_ms is None  # unset stays unset
+    assert config(1000, progress_idle_ms=None).idle_sleep_ms == 100
+    assert config(1000, progress_idle_ms=7).idle_sleep_ms == 7
+    shorter = dataclasses.replace(
+        config(1000), operation_timeout_ms=200, abandon_timeout_ms=400
     )
-    assert (
-        KVCRLinkerConfig.from_dict({**GOOD, "progress_idle_ms": 7}).progress_idle_ms
-        == 7
-    )
+    assert shorter.idle_sleep_ms == 50
     # A bad timeout is named as the bad value, not the sleep derived from it.
     for timeout in ("1000", 1.5, True, 0):
         with pytest.raises(KVCRConfigError, match="operation_timeout_ms"):

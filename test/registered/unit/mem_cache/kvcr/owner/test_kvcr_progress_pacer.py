@@ -214,3 +214,34 @@ def test_a_real_kvcr_loop_waits_on_its_guarded_control_socket():
     finally:
         lk.close()
     assert fd not in idle_wait._WAKE_FDS
+
+
+def test_a_loop_given_its_own_sleep_keeps_it_whatever_the_process_value(paced):
+    """A loop's own sleep (``pace``) wins over the process-wide one: a loop told
+    0 keeps kvcr's 1 ms pace while the process value is 30 s."""
+    step, _ = paced
+    state = _loop_state(_kvcr_idle_s=0.0)
+    runner, out = _run(step, state)
+    runner.join(DEADLINE_S)
+    assert not runner.is_alive() and out == [False]  # returned, never waited
+    _stop(step, state)
+
+
+def test_each_real_kvcr_loop_sleeps_by_its_own_operation_timeout():
+    """Two linkers in one process, operation timeouts 300 and 5000 ms (idle
+    sleeps 75 and 100 ms, unset): each loop keeps its own, though the process
+    value is the last one built's."""
+    short = make_linker(make_pool(), operation_timeout_ms=300, abandon_timeout_ms=600)
+    try:
+        long = make_linker(make_pool())
+        try:
+            sleeps = [
+                lk.session.adapter.call(lambda kv: kv._core._progress._kvcr_idle_s)
+                for lk in (short, long)
+            ]
+            assert sleeps == [0.075, 0.1]
+            assert idle_wait._idle_s == 0.1  # the process value: the last built
+        finally:
+            long.close()
+    finally:
+        short.close()

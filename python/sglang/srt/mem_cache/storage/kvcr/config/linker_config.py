@@ -16,15 +16,12 @@ import dataclasses
 import json
 from collections.abc import Mapping
 
+from sglang.srt.mem_cache.storage.kvcr.config.config_rules import check
 from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRConfigError
 from sglang.srt.mem_cache.storage.kvcr.config.value_checks import (
     FLAG,
-    check_curve_fields,
     config_error,
-    is_wildcard,
     parse_allowlist_entry,
-    require_host,
-    require_int,
 )
 
 __all__ = [
@@ -43,10 +40,7 @@ BACKEND_NAME = "kvcr"
 LINKER_CLASS_NAME = "KVCRDirectLinker"
 LINKER_MODULE_PATH = "sglang.srt.mem_cache.storage.kvcr.kvcr_direct_linker"
 
-_MAX_MS = 3_600_000  # timeouts: one hour at most, like owner_wait_timeout_s
 _MIB = 1 << 20
-_EVICTION_POLICIES = ("lru", "fifo")
-_OFFLOAD_PATHS = ("auto", "staged", "direct")
 
 
 def _doc(text: str) -> dict[str, str]:
@@ -298,10 +292,14 @@ class KVCRLinkerConfig:
     )
 
     def __post_init__(self) -> None:
-        timeout = self.operation_timeout_ms  # progress_idle_ms unset: see its doc
-        if self.progress_idle_ms is None and type(timeout) is int:
-            object.__setattr__(self, "progress_idle_ms", min(100, timeout // 4))
-        _check(self)
+        check(self)
+
+    @property
+    def idle_sleep_ms(self) -> int:
+        """``progress_idle_ms``, or its default when unset (see its doc)."""
+        if self.progress_idle_ms is not None:
+            return self.progress_idle_ms
+        return min(100, self.operation_timeout_ms // 4)
 
     @property
     def advertise_host(self) -> str:
@@ -361,90 +359,6 @@ class KVCRLinkerConfig:
         if backend == "dynamic" and isinstance(raw, Mapping):
             raw = raw.get("linker_extra_config", {})
         return cls.from_dict(raw)
-
-
-_INT_RANGES: dict[str, tuple[int, int | None]] = {  # (minimum, maximum), in order
-    "local_dram_bytes_per_worker": (1, None),
-    "control_port": (0, 65535),
-    "operation_timeout_ms": (1, _MAX_MS),
-    "abandon_timeout_ms": (1, _MAX_MS),
-    "preparation_timeout_ms": (1, _MAX_MS),
-    "prepare_chunk_pages": (1, 1 << 20),
-    "local_hit_wait_ms": (0, 1000),
-    "offload_hold_batches": (0, 8),
-    "idle_offload_wait_us": (0, 20000),
-    "idle_offload_delay_us": (0, 20000),
-    "max_inflight_offload_bytes": (1, None),
-    "max_inflight_prepare_bytes": (1, None),
-    "max_abandoned_bytes": (1, None),
-    "max_claimed_bytes": (0, None),
-    "progress_idle_ms": (0, 1000),
-    "gil_switch_interval_us": (0, 5000),
-    "max_quarantined_cores": (0, 64),
-}
-
-
-def _check(cfg: KVCRLinkerConfig) -> None:
-    """Ranges and cross-field rules; a bad value raises one line naming it."""
-    for name, (low, high) in _INT_RANGES.items():
-        require_int(name, getattr(cfg, name), minimum=low, maximum=high)
-    wait = cfg.owner_wait_timeout_s
-    if isinstance(wait, bool) or not isinstance(wait, (int, float)):
-        raise config_error("owner_wait_timeout_s", "must be a number of seconds")
-    if not 0 < wait <= 3600:
-        raise config_error("owner_wait_timeout_s", "must be in (0, 3600] seconds")
-    for flag in ("nixl_progress_thread", "accept_request_hints"):
-        if not isinstance(getattr(cfg, flag), bool):
-            raise config_error(flag, "must be true or false")
-    if 0 < cfg.gil_switch_interval_us < 50:
-        raise config_error(
-            "gil_switch_interval_us",
-            f"{cfg.gil_switch_interval_us} us would switch threads more often than "
-            "they run; use 0 (leave Python's) or at least 50",
-        )
-    if cfg.progress_idle_ms * 4 > cfg.operation_timeout_ms:
-        # kvcr turns this worker's source writes off when its progress loop
-        # sleeps as long as an operation's timeout.
-        raise config_error(
-            "progress_idle_ms",
-            f"{cfg.progress_idle_ms} is over a quarter of operation_timeout_ms="
-            f"{cfg.operation_timeout_ms}; lower it (or raise the timeout)",
-        )
-    if cfg.offload_path not in _OFFLOAD_PATHS:
-        raise config_error("offload_path", f"must be one of {list(_OFFLOAD_PATHS)}")
-    if cfg.eviction_policy not in _EVICTION_POLICIES:
-        raise config_error(
-            "eviction_policy", f"must be one of {list(_EVICTION_POLICIES)}"
-        )
-    if cfg.abandon_timeout_ms < 2 * cfg.operation_timeout_ms:
-        raise config_error(
-            "abandon_timeout_ms",
-            f"must be >= 2 x operation_timeout_ms "
-            f"({2 * cfg.operation_timeout_ms}); raise it or lower "
-            f"operation_timeout_ms",
-        )
-    require_host("control_bind_host", cfg.control_bind_host)
-    require_host("control_advertise_host", cfg.control_advertise_host)
-    if not cfg.control_bind_host:
-        raise config_error("control_bind_host", "must not be empty")
-    if is_wildcard(cfg.control_bind_host) and not cfg.control_advertise_host:
-        raise config_error(
-            "control_advertise_host",
-            f"is required when control_bind_host is {cfg.control_bind_host!r}; "
-            f"set it to the address peers should dial",
-        )
-    if is_wildcard(cfg.control_advertise_host):
-        raise config_error(
-            "control_advertise_host", "must be a reachable address, not a wildcard"
-        )
-    allow = cfg.peer_endpoint_allowlist
-    if not isinstance(allow, tuple) or not all(isinstance(e, str) for e in allow):
-        raise config_error("peer_endpoint_allowlist", "must be a list of strings")
-    for entry in allow:
-        parse_allowlist_entry(entry)
-    check_curve_fields(
-        cfg.control_curve_secret_key_file, cfg.control_curve_public_keys_dir
-    )
 
 
 def field_docs() -> dict[str, str]:

@@ -169,6 +169,7 @@ def make_kvcr_factory(
                         local_dram=LocalDramOptions(pools=list(local_dram_pools)),
                     ),
                 )
+            kvcr_patches.pace(kv, progress_idle_ms)  # its own, whatever others set
             if local_copier is not None:
                 page_fills.attach(kv, local_copier)  # before any deposit
             return BuiltKVCR(kv, str(control.endpoint))
@@ -237,7 +238,7 @@ def factory_args(
         "abandon_timeout_ms": cfg.abandon_timeout_ms,
         "eviction_policy": cfg.eviction_policy,
         "nixl_progress_thread": cfg.nixl_progress_thread,
-        "progress_idle_ms": cfg.progress_idle_ms,
+        "progress_idle_ms": cfg.idle_sleep_ms,
         "inbound_guard": InboundGuard.from_config(cfg),
         "local_copier": local_copier,
     }

@@ -48,6 +48,9 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.idle_wait import (
     configure as configure,
 )
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.idle_wait import (
+    pace as pace,
+)
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.idle_wait import (
     wake as wake,
 )
 

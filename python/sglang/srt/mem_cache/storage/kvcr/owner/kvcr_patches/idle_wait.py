@@ -65,6 +65,16 @@ def configure(idle_ms: int) -> None:
         _installed = True
 
 
+def pace(kv: Any, idle_ms: int) -> None:
+    """Give ``kv``'s own progress loop its idle sleep. ``configure``'s value is
+    process-wide (the last KVCR built sets it), and KVCRs whose operation
+    timeouts differ, so whose sleeps differ, may share a process; until this
+    runs, the loop uses that value."""
+    loop = getattr(getattr(kv, "_core", None), "_progress", None)
+    if loop is not None:
+        loop._kvcr_idle_s = max(0, idle_ms) / 1000.0
+
+
 def wake() -> None:
     """Work was handed to KVCR: every paced progress loop polls now."""
     with _LOCK:
@@ -115,7 +125,7 @@ def _paced(original: Any) -> Any:
         except BaseException:  # kvcr's loop ends with its failure
             _forget(self)
             raise
-        idle, now = _idle_s, time.monotonic()
+        idle, now = getattr(self, "_kvcr_idle_s", _idle_s), time.monotonic()
         if getattr(self, "_stop_requested", False):
             _forget(self)  # the loop's last iteration
         if did or idle <= 0 or fd is None or _busy(self):
