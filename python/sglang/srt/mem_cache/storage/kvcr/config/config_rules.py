@@ -10,7 +10,7 @@ line that names the field and the fix. Stdlib only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from sglang.srt.mem_cache.storage.kvcr.config.value_checks import (
     check_curve_fields,
@@ -20,11 +20,6 @@ from sglang.srt.mem_cache.storage.kvcr.config.value_checks import (
     require_host,
     require_int,
 )
-
-if TYPE_CHECKING:
-    from sglang.srt.mem_cache.storage.kvcr.config.linker_config import (
-        KVCRLinkerConfig,
-    )
 
 MAX_MS = 3_600_000  # timeouts: one hour at most, like owner_wait_timeout_s
 EVICTION_POLICIES = ("lru", "fifo")
@@ -50,8 +45,9 @@ INT_RANGES: dict[str, tuple[int, int | None]] = {  # (minimum, maximum), in orde
 }
 
 
-def check(cfg: KVCRLinkerConfig) -> None:
-    """Ranges and cross-field rules; a bad value raises one line naming it."""
+def check(cfg: Any) -> None:
+    """Ranges and cross-field rules of a ``KVCRLinkerConfig``; a bad value raises
+    one line naming it."""
     for name, (low, high) in INT_RANGES.items():
         require_int(name, getattr(cfg, name), minimum=low, maximum=high)
     wait = cfg.owner_wait_timeout_s

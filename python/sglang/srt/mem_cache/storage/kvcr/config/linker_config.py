@@ -297,9 +297,8 @@ class KVCRLinkerConfig:
     @property
     def idle_sleep_ms(self) -> int:
         """``progress_idle_ms``, or its default when unset (see its doc)."""
-        if self.progress_idle_ms is not None:
-            return self.progress_idle_ms
-        return min(100, self.operation_timeout_ms // 4)
+        idle = self.progress_idle_ms
+        return min(100, self.operation_timeout_ms // 4) if idle is None else idle
 
     @property
     def advertise_host(self) -> str:
