@@ -9,8 +9,9 @@ each was charged to, and on every poll hands completed operations back as
 often the owner loop polls: fast while a fetch (someone waits on it), slower while
 only deposits run, idle otherwise. Claims given back (``Release``) wait until
 ``RELEASE_DEFER_S`` after the last fetch (and after themselves) so that a
-preparation the scheduler waits on is answered, and its answer taken, without
-kvcr's per-claim Python competing for the GIL; never longer than
+preparation the scheduler waits on is answered, its answer taken and the
+restored request run, without kvcr's per-claim Python competing for the GIL
+and a core; never longer than
 ``RELEASE_DEFER_MAX_S``. They are released when that window ends (the loop
 comes back for them), earlier before any deposit, call or fetch of pages not
 all resident here, and when the owner thread stops.
@@ -64,12 +65,14 @@ DEPOSIT_POLL_S = 0.002  # only offloads in flight: background, no one waits on t
 IDLE_POLL_S = 0.05
 # Claims per kvcr release call when releasing in the background (~0.1 ms).
 RELEASE_CHUNK = 16
-# A Release waits this long after the last fetch run: releasing 50 claims costs
-# kvcr ~0.3 ms of Python that a local-hit fetch queued behind it, or the
-# scheduler taking that fetch's answer, would wait out.
-RELEASE_DEFER_S = 0.001
-# ... and at most this long after it was queued (back-to-back fetches).
-RELEASE_DEFER_MAX_S = 0.02
+# A Release waits this long after the last fetch run: releasing 63 claims costs
+# kvcr ~0.5 ms of Python (the owner ~1 ms of CPU beside a busy scheduler) that
+# a local-hit fetch queued behind it, the scheduler taking that fetch's answer,
+# and the restored request's forward and output right after would wait out.
+RELEASE_DEFER_S = 0.03
+# ... and at most this long after it was queued (back-to-back fetches). Slots a
+# deposit or a fetch that moves pages may need are released before they run.
+RELEASE_DEFER_MAX_S = 0.1
 
 
 class CommandExecutor:
