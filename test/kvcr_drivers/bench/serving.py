@@ -178,13 +178,21 @@ def resume(server: harness.ServerHandle) -> None:
 
 
 SETTLE_S = 0.1  # deferred work after a response (a write-through) ends within it
+# The wait after a resume also varies by up to this much, from a fixed seed: a
+# server's periodic idle work (a progress loop's 100 ms wake, say) then lands at
+# a random point of the measured request, as between real requests. A fixed
+# wait puts every timer that fired on the resume one period later at the same
+# point of every request: with a 100 ms period and a 100 ms wait, at its start.
+PHASE_SPREAD_S = 0.2
+_PHASES = random.Random(0x5E771E)
 
 
 @contextlib.contextmanager
 def running(server: harness.ServerHandle, settle_s: float = SETTLE_S) -> Iterator[None]:
-    """Resume a paused server for one measurement, letting deferred work settle."""
+    """Resume a paused server for one measurement, letting deferred work settle
+    (``settle_s``, plus up to ``PHASE_SPREAD_S`` before the measurement)."""
     resume(server)
-    time.sleep(settle_s)
+    time.sleep(settle_s + _PHASES.uniform(0.0, PHASE_SPREAD_S))
     try:
         yield
     finally:

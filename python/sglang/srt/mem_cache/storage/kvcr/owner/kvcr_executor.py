@@ -60,9 +60,14 @@ logger = logging.getLogger(__name__)
 
 FETCH_POLL_S = 0.0005  # owner loop period while a fetch (preparation) is in flight
 DEPOSIT_POLL_S = 0.002  # only offloads in flight: background, no one waits on them
-# While idle it still polls (KVCR runs pin callbacks and inventory events inside
-# poll_completed); commands wake it at once.
+# Deposit copies in flight (their copier wakes this thread when done): this
+# bounds how late a copy's deadline is noticed. Also the idle period of a KVCR
+# whose progress loop cannot wake this thread (kvcr_patches.owner_wake).
 IDLE_POLL_S = 0.05
+# Nothing in flight: commands, and whatever kvcr's progress loop hands this
+# thread (a peer's pin request, the loop's failure), wake it at once; this poll
+# is only a safety net (kvcr keeps no timers of its own while idle).
+QUIET_POLL_S = 1.0
 # Claims per kvcr release call when releasing in the background (~0.1 ms).
 RELEASE_CHUNK = 16
 # A Release waits this long after the last fetch run: releasing 63 claims costs
@@ -91,6 +96,7 @@ class CommandExecutor:
         "_stats_lock",
         "_uncharge",
         "_wake",
+        "_woken",
         "fills",
         "inflight",
         "orphan_jobs",
@@ -108,6 +114,8 @@ class CommandExecutor:
     ) -> None:
         self._kvcr = kvcr
         self._wake = wake  # wakes this thread's loop (a copy finished)
+        # kvcr's progress loop wakes it too when it hands this thread work.
+        self._woken = kvcr_patches.on_published(kvcr, wake)
         self._pins = pins
         self._results = results
         self._stats = stats
@@ -139,13 +147,16 @@ class CommandExecutor:
         return bool(self.inflight or self.fills or self._releases)
 
     def poll_period(self) -> float:
-        period = IDLE_POLL_S
         if self.inflight:  # fetches (deposits never enter it)
             period = FETCH_POLL_S
         elif any(fill.waiting for fill, _ in self.fills):
             period = DEPOSIT_POLL_S  # a fill of another operation ends unannounced
-        # Otherwise idle, or only deposit copies: their copier wakes this thread
-        # when done (the idle period still bounds how late a deadline is noticed).
+        elif self.fills or self.orphan_jobs or not self._woken:
+            period = IDLE_POLL_S
+        else:
+            period = QUIET_POLL_S
+        if self._woken and kvcr_patches.completed_waiting(self._kvcr):
+            return 0.0  # more than poll_completed took in one batch
         if self._releases:  # back when the deferral ends, to release them
             period = min(period, max(0.0, self._release_due() - time.monotonic()))
         return period

@@ -29,6 +29,7 @@ for SGLang's).
   what an operator can do about such a gap.
 
 Modules beside this one each patch one more part of kvcr, among them
+``owner_wake`` (the progress loop wakes the owner thread when it hands it work),
 ``completion_senders`` (a pull's completion only from the agent it was sent to),
 ``probe_fences`` (bounded write-probe fences), ``unresolved_fills`` (DRAM held by
 failed fetches, counted), ``page_fills`` with ``batched_slots`` (the linker's
@@ -52,6 +53,12 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.idle_wait import (
 )
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.idle_wait import (
     wake as wake,
+)
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.owner_wake import (
+    completed_waiting as completed_waiting,
+)
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.owner_wake import (
+    on_published as on_published,
 )
 
 logger = logging.getLogger(__name__)
