@@ -27,9 +27,11 @@ from kvcr_drivers.bench.metrics import (
     pct,
     proc_stat,
     ratio_ci,
+    ratio_of_medians,
 )
 from kvcr_drivers.bench.pools import MIB
 
+TWIN = "_twin"  # the name suffix of an arm's second server
 EXTRA_SERVING_VARIANTS: list[tuple[str, list[str], dict[str, str] | None]] = []
 
 
@@ -263,6 +265,7 @@ def bench_serving(
         "--unified-cache-external-linker-config",
         json.dumps(null_linker.launch_config()),
     ]
+    TWINNED = (("none", [], None), ("kvcr", linker_args, None))
     variants = [
         ("none", [], None),
         *(
@@ -278,6 +281,12 @@ def bench_serving(
             ]
         ),
         ("kvcr", linker_args, None),
+        # A second server each of the two arms the target compares. Two servers
+        # of one configuration differ by up to 5-7% in median cold TTFT on a
+        # 2-core host (memory layout, hash seed, thread placement: fixed for a
+        # server's life, so more rounds do not average it out); the ratio uses
+        # both of each, and their spread is reported (``instance_spread``).
+        *([] if args.quick else [(f"{n}{TWIN}", a, e) for n, a, e in TWINNED]),
         *EXTRA_SERVING_VARIANTS,
     ]
     servers: dict[str, harness.ServerHandle] = {}
@@ -395,6 +404,17 @@ def zero_hit_details(
         arm["all_ttft_ms"] = [r["samples"][name]["ttft_ms"] for r in rounds]
     details["external_busy"] = [r["external_busy"] for r in rounds]
     ttft = {n: details[n]["ttft_ms"] for n in names}
+    single = {n: ttft[n] for n in ("kvcr", "none")}  # one server each
+    twinned = all(f"{n}{TWIN}" in ttft for n in single)
+    if twinned:
+        details["instance_spread"] = {
+            n: round(ratio_of_medians(ttft[f"{n}{TWIN}"], ttft[n]), 4) for n in single
+        }
+        # Each round's arm: the mean of its two servers' samples.
+        for n in single:
+            ttft[n] = [
+                (a + b) / 2 for a, b in zip(ttft[n], ttft[f"{n}{TWIN}"], strict=True)
+            ]
     pair_ratios = [k / n for k, n in zip(ttft["kvcr"], ttft["none"], strict=True)]
     details["pair_ratio"] = dist(pair_ratios)
     med = {n: statistics.median(v) for n, v in ttft.items()}
@@ -427,6 +447,11 @@ def zero_hit_details(
             ratio_ci90=[round(x, 4) for x in ratio_ci(ttft["kvcr"], ttft["none"])],
             vs_python_tree_core=details["ratio_kvcr_vs_python_tree_core"],
             vs_sglang_linker_mode=details["ratio_kvcr_vs_sglang_linker_mode"],
+            servers_per_arm=2 if twinned else 1,
+            single_server_ratio=round(
+                ratio_of_medians(single["kvcr"], single["none"]), 4
+            ),
+            instance_spread=details.get("instance_spread"),
             quiet_rounds=details["quiet_rounds"],
             noisy=details["noisy"],
         )

@@ -107,7 +107,11 @@ def _publishing_loop(count: int, failure: BaseException | None = None):
 
 def test_only_a_publishing_or_failed_loop_wakes_the_owner():
     woken = threading.Event()
-    for count, failure, wakes in ((0, None, False), (2, None, True), (0, OSError(), True)):
+    for count, failure, wakes in (
+        (0, None, False),
+        (2, None, True),
+        (0, OSError(), True),
+    ):
         loop, publish, calls = _publishing_loop(count, failure)
         loop._kvcr_on_publish = woken.set
         woken.clear()

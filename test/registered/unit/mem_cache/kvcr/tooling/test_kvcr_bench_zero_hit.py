@@ -130,3 +130,34 @@ def test_the_interval_leaves_out_the_busy_rounds_the_ratio_leaves_out():
     m = by_name(metrics)
     assert m["noisy"] and m["samples"] == 100
     assert m["ratio_ci90"][1] > 1.1
+
+
+def test_with_a_second_server_per_arm_the_ratio_uses_both_and_reports_their_spread():
+    """One kvcr server slower by 10% than its twin (a server's layout, say):
+    each round's arm is the mean of its two servers, the single-server ratio
+    and each arm's spread are reported beside it."""
+    none = noisy(60, 12)
+    rounds = [
+        round_of({"none": x, "none_twin": x, "kvcr": 1.1 * x, "kvcr_twin": 1.0 * x})
+        for x in none
+    ]
+    args = argparse.Namespace(quiet_round_busy=0.5, ttft_prompts=60)
+    details: dict = {}
+    metrics: list[dict] = []
+    names = ["none", "kvcr", "none_twin", "kvcr_twin"]
+    zero_hit_details(args, details, rounds, names, metrics)
+    m = by_name(metrics)
+    assert m["servers_per_arm"] == 2
+    assert m["ratio"] == pytest.approx(1.05, abs=1e-3)
+    assert m["single_server_ratio"] == pytest.approx(1.1, abs=1e-3)
+    assert m["instance_spread"] == {
+        "kvcr": pytest.approx(1 / 1.1, abs=1e-3),
+        "none": 1.0,
+    }
+    assert details["instance_spread"] == m["instance_spread"]
+    # Without the twins (--quick): one server each, as before.
+    metrics = []
+    zero_hit_details(args, {}, rounds, ["none", "kvcr"], metrics)
+    m = by_name(metrics)
+    assert m["servers_per_arm"] == 1 and m["ratio"] == pytest.approx(1.1, abs=1e-3)
+    assert m["instance_spread"] is None
