@@ -188,13 +188,17 @@ _PHASES = random.Random(0x5E771E)
 
 
 @contextlib.contextmanager
-def running(server: harness.ServerHandle, settle_s: float = SETTLE_S) -> Iterator[None]:
+def running(
+    server: harness.ServerHandle, settle_s: float = SETTLE_S
+) -> Iterator[float]:
     """Resume a paused server for one measurement, letting deferred work settle
-    (``settle_s``, plus up to ``PHASE_SPREAD_S`` before the measurement)."""
+    (``settle_s``, plus up to ``PHASE_SPREAD_S`` before the measurement, the
+    extra wait given to the ``with`` block: a rate timed around it leaves it out)."""
     resume(server)
-    time.sleep(settle_s + _PHASES.uniform(0.0, PHASE_SPREAD_S))
+    spread = _PHASES.uniform(0.0, PHASE_SPREAD_S)
+    time.sleep(settle_s + spread)
     try:
-        yield
+        yield spread
     finally:
         time.sleep(settle_s)  # e.g. the write-through offload after a response
         pause(server)

@@ -74,24 +74,34 @@ def test_the_progress_loop_wakes_an_idle_owner_when_it_hands_it_work(monkeypatch
 
 def test_items_left_after_one_poll_are_polled_again_at_once():
     """``take_completed`` reads a batch at a time: what is left is not left for
-    the safety poll."""
+    the safety poll. (Put and taken back on the owner thread, so no poll of
+    its own sees the stand-in item.)"""
     linker = make_linker(make_pool())
     try:
-        waiting = linker.session.adapter.call(
-            lambda kv: owner_wake.completed_waiting(kv)
-        )
-        assert waiting is False
         executor = linker.session.adapter._executor
-        loop = linker.session.adapter.call(lambda kv: kv._core._progress)
-        assert executor.poll_period() == QUIET_POLL_S
-        loop._completed.put(object())  # published, not yet taken
-        try:
-            assert owner_wake.completed_waiting(executor.kvcr)
-            assert executor.poll_period() == 0.0
-        finally:
-            loop._completed.get_nowait()
+
+        def periods(kv):
+            before = executor.poll_period()
+            kv._core._progress._completed.put(object())  # published, not taken
+            try:
+                return before, owner_wake.completed_waiting(kv), executor.poll_period()
+            finally:
+                kv._core._progress._completed.get_nowait()
+
+        assert linker.session.adapter.call(periods) == (QUIET_POLL_S, True, 0.0)
     finally:
         linker.close()
+
+
+def test_publishes_before_the_owner_polls_queue_one_wake():
+    wakes: list[int] = []
+    executor = SimpleNamespace(_wake_queued=False, _wake=lambda: wakes.append(1))
+    for _ in range(3):
+        kvcr_executor.CommandExecutor._kvcr_published(executor)
+    assert wakes == [1]
+    executor._wake_queued = False  # what poll() does first
+    kvcr_executor.CommandExecutor._kvcr_published(executor)
+    assert wakes == [1, 1]
 
 
 def _publishing_loop(count: int, failure: BaseException | None = None):
@@ -119,6 +129,17 @@ def test_only_a_publishing_or_failed_loop_wakes_the_owner():
         assert woken.is_set() is wakes
 
 
+def test_a_failed_loop_wakes_the_owner_before_its_cleanup():
+    order: list[str] = []
+    for failure, expected in ((None, ["cleanup"]), (OSError(), ["wake", "cleanup"])):
+        order.clear()
+        loop = SimpleNamespace(
+            _failure=failure, _kvcr_on_publish=lambda: order.append("wake")
+        )
+        owner_wake._closing(lambda self: order.append("cleanup"))(loop)
+        assert order == expected
+
+
 def test_a_failing_wake_never_fails_the_loop():
     loop, publish, _ = _publishing_loop(1)
 
@@ -130,7 +151,9 @@ def test_a_failing_wake_never_fails_the_loop():
 
 
 def test_a_stand_in_kvcr_keeps_the_idle_poll():
-    """No progress loop to hook (a test's stand-in KVCR): the owner keeps its
-    50 ms idle poll, nothing wakes it otherwise."""
+    """No kvcr progress loop to hook (a test's stand-in KVCR): the owner keeps
+    its 50 ms idle poll, nothing wakes it otherwise."""
     assert owner_wake.on_published(SimpleNamespace(), lambda: None) is False
+    stand_in = SimpleNamespace(_core=SimpleNamespace(_progress=SimpleNamespace()))
+    assert owner_wake.on_published(stand_in, lambda: None) is False
     assert owner_wake.completed_waiting(SimpleNamespace()) is False

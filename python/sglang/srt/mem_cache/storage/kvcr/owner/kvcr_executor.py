@@ -96,6 +96,7 @@ class CommandExecutor:
         "_stats_lock",
         "_uncharge",
         "_wake",
+        "_wake_queued",
         "_woken",
         "fills",
         "inflight",
@@ -115,7 +116,8 @@ class CommandExecutor:
         self._kvcr = kvcr
         self._wake = wake  # wakes this thread's loop (a copy finished)
         # kvcr's progress loop wakes it too when it hands this thread work.
-        self._woken = kvcr_patches.on_published(kvcr, wake)
+        self._wake_queued = False
+        self._woken = kvcr_patches.on_published(kvcr, self._kvcr_published)
         self._pins = pins
         self._results = results
         self._stats = stats
@@ -335,7 +337,15 @@ class CommandExecutor:
         with self._stats_lock:
             setattr(self._stats, field, getattr(self._stats, field) + n)
 
+    def _kvcr_published(self) -> None:
+        """kvcr's progress thread handed this thread work: wake it, once until
+        its next poll (a loop publishing twice an iteration queues one wake)."""
+        if not self._wake_queued:
+            self._wake_queued = True
+            self._wake()
+
     def poll(self) -> None:
+        self._wake_queued = False  # before poll_completed: a later publish wakes
         # Before KVCR's completions (fetches waiting on a fill); kvcr's progress
         # loop is woken for whatever a completed fill handed it.
         if self._poll_fills():

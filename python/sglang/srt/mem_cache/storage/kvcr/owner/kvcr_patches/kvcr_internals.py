@@ -125,3 +125,15 @@ def core_class() -> Any:
     )
     _require_fields(local_dram._LocalDramResidency, ("slots", "state"))
     return cls
+
+
+def progress_class() -> Any:
+    """kvcr's ``_KVCRProgress``, with what ``owner_wake`` wraps."""
+    _require_version()
+    from kvcr import progress
+
+    cls = progress._KVCRProgress
+    _require_method(cls, "_publish_completed", ("self", "limit"))
+    _require_method(cls, "_close_progress_ops", ("self",))
+    _require_method(cls, "take_completed", ("self",))
+    return cls

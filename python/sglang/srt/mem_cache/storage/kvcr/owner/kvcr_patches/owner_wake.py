@@ -7,7 +7,8 @@ reads; kvcr signals nothing. The adapter therefore polled every 50 ms while idle
 taking the GIL next to the forward and leaving a peer's pin request waiting up
 to that long. ``on_published`` wraps ``_publish_completed`` (once, for every
 loop) so that a loop that was given a callback calls it after it published at
-least one item, or after the loop failed; the adapter's callback queues a
+least one item, or after the loop failed (and, when it failed, before its
+cleanup, ``_close_progress_ops``); the adapter's callback queues a
 no-op command that wakes its owner thread at once. ``completed_waiting`` says
 whether items are still queued (``take_completed`` reads a batch at a time), so
 the owner polls again without waiting.
@@ -20,10 +21,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import kvcr_internals
+
 logger = logging.getLogger(__name__)
 
 _LOCK = threading.Lock()
-_installed = False
+_wrapped: set[type] = set()  # progress classes whose methods wake owners
 
 
 def _loop_of(kv: Any) -> Any:
@@ -33,12 +36,19 @@ def _loop_of(kv: Any) -> Any:
 def on_published(kv: Any, wake: Callable[[], object]) -> bool:
     """Call ``wake`` (from kvcr's progress thread) whenever ``kv``'s loop hands
     the owner thread work. False, and nothing changed, when ``kv`` has no
-    progress loop this module knows (a stand-in, or not kvcr 0.1.1)."""
+    kvcr progress loop (a stand-in); ``KVCRInternalsChanged`` when the installed
+    kvcr is not the one whose loop this wraps."""
     loop = _loop_of(kv)
-    if loop is None or not _install(type(loop)):
+    if loop is None:
         return False
-    if not hasattr(loop, "_completed") or not hasattr(loop, "_failure"):
+    cls = kvcr_internals.progress_class()
+    if not isinstance(loop, cls):
         return False
+    with _LOCK:
+        if cls not in _wrapped:
+            cls._publish_completed = _publishing(cls._publish_completed)
+            cls._close_progress_ops = _closing(cls._close_progress_ops)
+            _wrapped.add(cls)
     loop._kvcr_on_publish = wake
     return True
 
@@ -51,35 +61,35 @@ def completed_waiting(kv: Any) -> bool:
     return empty is not None and not empty()
 
 
-def _install(cls: type) -> bool:
-    """Wrap ``cls._publish_completed`` once; whether it is wrapped."""
-    global _installed
-    with _LOCK:
-        if _installed:
-            return True
-        original = getattr(cls, "_publish_completed", None)
-        if original is None:
-            logger.warning(
-                "kvcr's progress loop has no _publish_completed (not kvcr "
-                "0.1.1?): the owner thread keeps polling while idle"
-            )
-            return False
-        cls._publish_completed = _publishing(original)  # type: ignore[attr-defined]
-        _installed = True
-        return True
+def _wake_owner(loop: Any) -> None:
+    wake = getattr(loop, "_kvcr_on_publish", None)
+    if wake is None:
+        return
+    try:
+        wake()
+    except Exception:  # never fail kvcr's loop for a wake-up
+        logger.debug("KVCR owner wake-up failed", exc_info=True)
 
 
 def _publishing(original: Callable[[Any, int], int]) -> Callable[[Any, int], int]:
     def publishing(self: Any, limit: int) -> int:
         count = original(self, limit)
         if count or getattr(self, "_failure", None) is not None:
-            wake = getattr(self, "_kvcr_on_publish", None)
-            if wake is not None:
-                try:
-                    wake()
-                except Exception:  # never fail kvcr's loop for a wake-up
-                    logger.debug("KVCR owner wake-up failed", exc_info=True)
+            _wake_owner(self)
         return count
 
     publishing.__wrapped__ = original  # type: ignore[attr-defined]
     return publishing
+
+
+def _closing(original: Callable[[Any], None]) -> Callable[[Any], None]:
+    """The loop's cleanup (up to 5 s of closing its operations) comes before its
+    last publish: a loop that failed tells the owner first."""
+
+    def closing(self: Any) -> None:
+        if getattr(self, "_failure", None) is not None:
+            _wake_owner(self)
+        original(self)
+
+    closing.__wrapped__ = original  # type: ignore[attr-defined]
+    return closing
