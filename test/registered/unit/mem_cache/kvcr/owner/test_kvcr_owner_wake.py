@@ -60,14 +60,18 @@ def test_the_progress_loop_wakes_an_idle_owner_when_it_hands_it_work(monkeypatch
         polls, loop = _count_polls(linker)
         time.sleep(0.2)
         # kvcr's loop publishes a progress update to the owner thread (as when a
-        # peer connects): the owner polls at once.
-        woken_after = time.monotonic()
-        loop._poll.__self__._published_remote_count = -1
-        kvcr_patches.wake()  # the progress loop iterates now
-        deadline = woken_after + 1.0
-        while time.monotonic() < deadline and not any(t > woken_after for t in polls):
-            time.sleep(0.005)
-        assert any(woken_after < t < deadline for t in polls)
+        # peer connects): the owner polls at once, each time.
+        for _ in range(3):
+            woken_after = time.monotonic()
+            loop._poll.__self__._published_remote_count = -1
+            kvcr_patches.wake()  # the progress loop iterates now
+            deadline = woken_after + 1.0
+            while time.monotonic() < deadline and not any(
+                t > woken_after for t in polls
+            ):
+                time.sleep(0.005)
+            assert any(woken_after < t < deadline for t in polls)
+            time.sleep(0.05)
     finally:
         linker.close()
 
@@ -95,12 +99,12 @@ def test_items_left_after_one_poll_are_polled_again_at_once():
 
 def test_publishes_before_the_owner_polls_queue_one_wake():
     wakes: list[int] = []
-    executor = SimpleNamespace(_wake_queued=False, _wake=lambda: wakes.append(1))
+    wake = owner_wake.CoalescedWake(lambda: wakes.append(1))
     for _ in range(3):
-        kvcr_executor.CommandExecutor._kvcr_published(executor)
+        wake()
     assert wakes == [1]
-    executor._wake_queued = False  # what poll() does first
-    kvcr_executor.CommandExecutor._kvcr_published(executor)
+    wake.polled()  # what the owner's poll() does first
+    wake()
     assert wakes == [1, 1]
 
 

@@ -49,7 +49,7 @@ def stubbed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         }
 
     monkeypatch.setattr(decode_itl, "itl_round", itl_round)
-    monkeypatch.setattr(serving, "running", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(serving, "running", lambda s: contextlib.nullcontext(0.0))
     return ran
 
 

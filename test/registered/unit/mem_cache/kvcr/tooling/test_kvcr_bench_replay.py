@@ -212,7 +212,7 @@ def test_the_hit_and_the_replay_each_start_after_a_pause(monkeypatch):
         return lambda **k: events.append((name, "filler"))
 
     monkeypatch.setattr(serving, "stream_ttft", stream_ttft)
-    monkeypatch.setattr(serving, "running", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(serving, "running", lambda s: contextlib.nullcontext(0.0))
     monkeypatch.setattr(
         serving_replay.time, "sleep", lambda s: events.append(("", f"sleep {s}"))
     )

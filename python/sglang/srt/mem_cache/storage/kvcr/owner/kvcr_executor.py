@@ -51,6 +51,7 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import (
     completion_senders,
     local_claims,
+    owner_wake,
     page_fills,
     unresolved_fills,
 )
@@ -89,6 +90,7 @@ class CommandExecutor:
         "_kvcr",
         "_peer_checks",
         "_pins",
+        "_published",
         "_releases",
         "_releases_since",
         "_results",
@@ -96,7 +98,6 @@ class CommandExecutor:
         "_stats_lock",
         "_uncharge",
         "_wake",
-        "_wake_queued",
         "_woken",
         "fills",
         "inflight",
@@ -116,8 +117,8 @@ class CommandExecutor:
         self._kvcr = kvcr
         self._wake = wake  # wakes this thread's loop (a copy finished)
         # kvcr's progress loop wakes it too when it hands this thread work.
-        self._wake_queued = False
-        self._woken = kvcr_patches.on_published(kvcr, self._kvcr_published)
+        self._published = owner_wake.CoalescedWake(wake)
+        self._woken = kvcr_patches.on_published(kvcr, self._published)
         self._pins = pins
         self._results = results
         self._stats = stats
@@ -149,16 +150,15 @@ class CommandExecutor:
         return bool(self.inflight or self.fills or self._releases)
 
     def poll_period(self) -> float:
+        if self._woken and kvcr_patches.completed_waiting(self._kvcr):
+            return 0.0  # more than poll_completed took in one batch
+        period = QUIET_POLL_S
         if self.inflight:  # fetches (deposits never enter it)
             period = FETCH_POLL_S
         elif any(fill.waiting for fill, _ in self.fills):
             period = DEPOSIT_POLL_S  # a fill of another operation ends unannounced
         elif self.fills or self.orphan_jobs or not self._woken:
             period = IDLE_POLL_S
-        else:
-            period = QUIET_POLL_S
-        if self._woken and kvcr_patches.completed_waiting(self._kvcr):
-            return 0.0  # more than poll_completed took in one batch
         if self._releases:  # back when the deferral ends, to release them
             period = min(period, max(0.0, self._release_due() - time.monotonic()))
         return period
@@ -301,30 +301,15 @@ class CommandExecutor:
         """Closing: drop deposit copies not started, wait up to ``timeout_s`` for
         running ones, and answer every deposit FAILED; the copy jobs that still
         write (their DRAM must stay quarantined until they stop)."""
-        deadline = time.monotonic() + timeout_s
-        for job in self.orphan_jobs:
-            job.cancel()  # not started: never writes
-        while True:
-            left = []
-            for fill, command in self.fills:
-                try:
-                    stopped = page_fills.abandon(self._kvcr, fill)
-                except Exception:  # KVCR is going away: its slots go with it
-                    logger.exception("KVCR deposit could not be abandoned cleanly")
-                    stopped = all(job.poll() is not None for job in fill.jobs)
-                if stopped:
-                    answer_unrun([command], self._results, self._uncharge, "")
-                else:
-                    left.append((fill, command))
-            self.fills = left
-            orphans = [job for job in self.orphan_jobs if job.poll() is None]
-            if (not left and not orphans) or time.monotonic() >= deadline:
-                break
-            time.sleep(0.005)
-        # Answered now all the same: nothing waits on a closed KVCR's deposit.
-        answer_unrun([c for _, c in left], self._results, self._uncharge, "")
-        self.fills = []
-        return [job for fill, _ in left for job in fill.jobs] + self.orphan_jobs
+        fills, self.fills = self.fills, []
+        return _settle_fills(
+            self._kvcr,
+            fills,
+            self.orphan_jobs,
+            self._results,
+            self._uncharge,
+            timeout_s,
+        )
 
     def fail_inflight(self) -> None:
         """KVCR is gone: every operation it still ran completes FAILED, with its
@@ -337,15 +322,8 @@ class CommandExecutor:
         with self._stats_lock:
             setattr(self._stats, field, getattr(self._stats, field) + n)
 
-    def _kvcr_published(self) -> None:
-        """kvcr's progress thread handed this thread work: wake it, once until
-        its next poll (a loop publishing twice an iteration queues one wake)."""
-        if not self._wake_queued:
-            self._wake_queued = True
-            self._wake()
-
     def poll(self) -> None:
-        self._wake_queued = False  # before poll_completed: a later publish wakes
+        self._published.polled()  # before poll_completed: a later publish wakes
         # Before KVCR's completions (fetches waiting on a fill); kvcr's progress
         # loop is woken for whatever a completed fill handed it.
         if self._poll_fills():
@@ -406,6 +384,40 @@ class CommandExecutor:
             self._peer_checks = now
             with self._stats_lock:
                 self._stats.dropped_notices, self._stats.unresolved_fill_bytes = now
+
+
+def _settle_fills(
+    kv: Any,
+    fills: list[tuple[page_fills.PageFill, Deposit]],
+    orphan_jobs: list[Any],
+    results: queue.SimpleQueue[Result],
+    uncharge: Callable[[Budget, int], None],
+    timeout_s: float,
+) -> list[Any]:
+    """``CommandExecutor.settle_fills`` over its deposits being copied."""
+    deadline = time.monotonic() + timeout_s
+    for job in orphan_jobs:
+        job.cancel()  # not started: never writes
+    while True:
+        left = []
+        for fill, command in fills:
+            try:
+                stopped = page_fills.abandon(kv, fill)
+            except Exception:  # KVCR is going away: its slots go with it
+                logger.exception("KVCR deposit could not be abandoned cleanly")
+                stopped = all(job.poll() is not None for job in fill.jobs)
+            if stopped:
+                answer_unrun([command], results, uncharge, "")
+            else:
+                left.append((fill, command))
+        fills = left
+        orphans = [job for job in orphan_jobs if job.poll() is None]
+        if (not left and not orphans) or time.monotonic() >= deadline:
+            break
+        time.sleep(0.005)
+    # Answered now all the same: nothing waits on a closed KVCR's deposit.
+    answer_unrun([c for _, c in left], results, uncharge, "")
+    return [job for fill, _ in left for job in fill.jobs] + orphan_jobs
 
 
 # kvcr's entry status -> ours (by name; an enum's ``name`` is slow to read).

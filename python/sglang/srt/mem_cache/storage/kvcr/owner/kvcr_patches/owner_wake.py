@@ -53,6 +53,26 @@ def on_published(kv: Any, wake: Callable[[], object]) -> bool:
     return True
 
 
+class CoalescedWake:
+    """``wake`` for ``on_published``, called once until the owner's next poll
+    (``polled``): a loop publishing twice an iteration queues one wake."""
+
+    __slots__ = ("_queued", "_wake")
+
+    def __init__(self, wake: Callable[[], object]) -> None:
+        self._wake = wake
+        self._queued = False
+
+    def __call__(self) -> None:  # kvcr's progress thread
+        if not self._queued:
+            self._queued = True
+            self._wake()
+
+    def polled(self) -> None:
+        """The owner is about to poll: a publish from now on wakes it again."""
+        self._queued = False
+
+
 def completed_waiting(kv: Any) -> bool:
     """Whether ``kv``'s loop has published items ``poll_completed`` has not
     taken yet (False when it has no loop this module knows)."""
