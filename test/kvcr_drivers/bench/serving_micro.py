@@ -32,6 +32,7 @@ from kvcr_drivers.bench.metrics import (
 from kvcr_drivers.bench.pools import MIB
 
 TWIN = "_twin"  # the name suffix of an arm's second server
+TWINNED_ARMS = ("none", "kvcr")  # the arms the zero-hit target compares
 EXTRA_SERVING_VARIANTS: list[tuple[str, list[str], dict[str, str] | None]] = []
 
 
@@ -265,7 +266,6 @@ def bench_serving(
         "--unified-cache-external-linker-config",
         json.dumps(null_linker.launch_config()),
     ]
-    TWINNED = (("none", [], None), ("kvcr", linker_args, None))
     variants = [
         ("none", [], None),
         *(
@@ -281,14 +281,15 @@ def bench_serving(
             ]
         ),
         ("kvcr", linker_args, None),
+        *EXTRA_SERVING_VARIANTS,
+    ]
+    if not args.quick:
         # A second server each of the two arms the target compares. Two servers
         # of one configuration differ by up to 5-7% in median cold TTFT on a
         # 2-core host (memory layout, hash seed, thread placement: fixed for a
         # server's life, so more rounds do not average it out); the ratio uses
         # both of each, and their spread is reported (``instance_spread``).
-        *([] if args.quick else [(f"{n}{TWIN}", a, e) for n, a, e in TWINNED]),
-        *EXTRA_SERVING_VARIANTS,
-    ]
+        variants += [(n + TWIN, a, e) for n, a, e in variants if n in TWINNED_ARMS]
     servers: dict[str, harness.ServerHandle] = {}
     rounds: list[dict[str, Any]] = []
     try:
@@ -406,16 +407,16 @@ def zero_hit_details(
     ttft = {n: details[n]["ttft_ms"] for n in names}
     # The target's two arms: each round's mean of an arm's two servers when
     # both ran (the control ratios below stay per server).
-    twinned = all(f"{n}{TWIN}" in ttft for n in ("kvcr", "none"))
+    twinned = all(n + TWIN in ttft for n in TWINNED_ARMS)
     arm = {
-        n: [(a + b) / 2 for a, b in zip(ttft[n], ttft[f"{n}{TWIN}"], strict=True)]
+        n: [(a + b) / 2 for a, b in zip(ttft[n], ttft[n + TWIN], strict=True)]
         if twinned
         else ttft[n]
-        for n in ("kvcr", "none")
+        for n in TWINNED_ARMS
     }
     if twinned:
         details["instance_spread"] = {
-            n: round(ratio_of_medians(ttft[f"{n}{TWIN}"], ttft[n]), 4) for n in arm
+            n: round(ratio_of_medians(ttft[n + TWIN], ttft[n]), 4) for n in arm
         }
         details["median_ttft_ms_both_servers"] = {
             n: round(statistics.median(v), 3) for n, v in arm.items()

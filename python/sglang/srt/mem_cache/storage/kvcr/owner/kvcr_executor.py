@@ -118,7 +118,7 @@ class CommandExecutor:
         self._wake = wake  # wakes this thread's loop (a copy finished)
         # kvcr's progress loop wakes it too when it hands this thread work.
         self._published = owner_wake.CoalescedWake(wake)
-        self._woken = kvcr_patches.on_published(kvcr, self._published)
+        self._woken = owner_wake.on_published(kvcr, self._published)
         self._pins = pins
         self._results = results
         self._stats = stats
@@ -150,7 +150,7 @@ class CommandExecutor:
         return bool(self.inflight or self.fills or self._releases)
 
     def poll_period(self) -> float:
-        if self._woken and kvcr_patches.completed_waiting(self._kvcr):
+        if self._woken and owner_wake.completed_waiting(self._kvcr):
             return 0.0  # more than poll_completed took in one batch
         period = QUIET_POLL_S
         if self.inflight:  # fetches (deposits never enter it)

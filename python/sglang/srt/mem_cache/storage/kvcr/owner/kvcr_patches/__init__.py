@@ -54,12 +54,6 @@ from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.idle_wait import (
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.idle_wait import (
     wake as wake,
 )
-from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.owner_wake import (
-    completed_waiting as completed_waiting,
-)
-from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.owner_wake import (
-    on_published as on_published,
-)
 
 logger = logging.getLogger(__name__)
 
