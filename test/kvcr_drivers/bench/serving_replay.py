@@ -41,7 +41,7 @@ from typing import Any
 
 from cpu_harness import server as harness
 from kvcr_drivers.bench import decode_itl, serving
-from kvcr_drivers.bench.metrics import dist, metric
+from kvcr_drivers.bench.metrics import dist, metric, ratio_ci
 
 REPLAY_METRICS = ("replay_ttft_vs_device_hit", "replay_ttft_vs_recompute")
 WRITE_THROUGH_METRICS = ("write_through_pages_per_s", "write_through_refusals")
@@ -124,6 +124,9 @@ def replay_metrics(rounds: list[dict[str, Any]], need: int) -> list[dict[str, An
             error=error,
             device_hit_ms=hit,
             pair_ratio=dist([a / b for a, b in zip(replay, hit, strict=True)]),
+            ratio_ci90=(
+                [round(x, 4) for x in ratio_ci(replay, hit)] if len(used) > 1 else None
+            ),
             **common,
         ),
         metric(

@@ -117,6 +117,7 @@ class KVCRDirectLinker(
             )
             self.hints = RouterHintParser.from_config(cfg, self.placement.shard_rank)
             self._local_wait_s = cfg.local_hit_wait_ms / 1000.0  # this step's
+            self._lookups_reduced = True  # until bound: every restorable length
             self._idle_wait_s = cfg.idle_offload_wait_us / 1e6
             # Claims of waiting requests: max_claimed_bytes (0: half the share).
             self.preparations = Preparations(
@@ -311,7 +312,12 @@ class KVCRDirectLinker(
             rid, page_hashes, window, self.layout, self.residency
         )
         self.session.submit(commands)
-        return boundaries
+        return boundaries if self._lookups_reduced else boundaries[-1:]
+
+    def lookup_groups(self, groups: int) -> None:
+        """A single attention rank's lookup reports its longest length only (SGLang
+        marks each reported length in a tensor, one indexed write apiece)."""
+        self._lookups_reduced = groups > 0
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
         prep = self.preparations.get(rid)
@@ -379,12 +385,6 @@ class KVCRDirectLinker(
 
     def stats_line(self) -> str:
         return self.report.line()
-
-    def quarantined_bytes(self) -> int:
-        return self.dram.quarantine.bytes()
-
-    def claims_held(self) -> int:
-        return self.preparations.gauges().claims_held
 
 
 def _gauges(linker: KVCRDirectLinker) -> Gauges:

@@ -156,6 +156,12 @@ class LinkerLifecycle:
         """Residency claims KVCR holds for this linker (what it must release)."""
         return self._adapter.claims_outstanding()
 
+    def claims_held(self) -> int:
+        return self.preparations.gauges().claims_held
+
+    def quarantined_bytes(self) -> int:
+        return self.dram.quarantine.bytes()
+
     def _release_all(self, claims: list[ClaimId] | None = None) -> None:
         self.session.release([*(claims or ()), *self.preparations.release_all()])
         self._adapter.wait_idle(self.config.owner_wait_timeout_s)

@@ -427,6 +427,49 @@ def test_one_attention_rank_gates_readiness_without_a_tensor_or_a_collective(
     assert reduced == []
 
 
+def test_a_single_attention_rank_reports_only_its_longest_restorable_length(
+    make_stack, monkeypatch
+):
+    """Bound on one attention rank, a lookup reports the longest restorable
+    length alone (SGLang writes each reported length into its MIN mask, one
+    indexed write apiece); told of a group to reduce over, every length, so the
+    ranks' MIN can still intersect them. The hit restores the same pages."""
+    stack = make_stack()
+    cache, linker = stack.cache, stack.linker
+    wrapper = cache.linker
+    seen: list[list[int]] = []
+    sync = wrapper._sync_restorable_prefix
+
+    def spy(restorable: list[int], **kw: Any) -> int:
+        seen.append(list(restorable))
+        return sync(restorable, **kw)
+
+    monkeypatch.setattr(wrapper, "_sync_restorable_prefix", spy)
+    prefix = list(range(600, 600 + 4 * PAGE))
+    _, original = insert_and_commit(stack, prefix, seed=8)
+    evict_from_device(stack, prefix)
+
+    def hit(rid: str) -> None:
+        req = make_req(rid, [*prefix, 1, 2])
+        enqueue(StubScheduler(cache), req)
+        wait_until(lambda: linker.preparation_ready(handle_of(req)), what="prepared")
+        req.init_next_round_input(cache)
+        assert req.host_hit_length == len(prefix)
+        assert kvcr_stack.load_back(cache, req)[0] == len(prefix)
+        private = wrapper.private_load_indices[rid].clone()
+        assert cache.ready_to_load_host_cache() >= 0
+        assert cache.finish_external_linker_loads([req]) == []
+        assert torch.equal(kv_bytes(stack.kvcache, private), original)
+        _release(cache, req)
+
+    hit("alone")  # make_stack binds the linker as SGLang does, on one rank
+    monkeypatch.setattr(stored_marks, "reduce_groups", lambda c: ["tp"])
+    integration._after_init_cache_linker(None, cache, linker)
+    evict_from_device(stack, prefix)
+    hit("grouped")
+    assert seen == [[4], [1, 2, 3, 4]]
+
+
 class _NoTensors:
     """``torch`` as the integration module sees it, where making a tensor fails."""
 

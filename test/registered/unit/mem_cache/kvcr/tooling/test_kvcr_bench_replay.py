@@ -120,6 +120,19 @@ def test_replay_ratios_are_medians_of_the_measured_rounds():
     assert fast["replay_ttft_vs_device_hit"]["passed"] is True
 
 
+def test_the_replay_ratio_carries_a_bootstrap_interval_of_the_measured_rounds():
+    """The interval resamples the measured rounds only: rounds all at one ratio
+    give that ratio at both ends (the warm-up, at 1.8, would widen it), and spread
+    rounds give an interval around the point ratio."""
+    same = rounds_of(*[(20.0, 22.0, 150.0)] * 3)
+    ci = by_name(replay_metrics(same, NEED))["replay_ttft_vs_device_hit"]["ratio_ci90"]
+    assert ci == [1.1, 1.1]
+    spread = rounds_of(*[(20.0 + i, 22.0 + 3 * (i % 4), 150.0) for i in range(12)])
+    hit = by_name(replay_metrics(spread, NEED))["replay_ttft_vs_device_hit"]
+    lo, hi = hit["ratio_ci90"]
+    assert lo < hit["ratio"] < hi
+
+
 def test_a_replay_not_from_kvcr_fails_loudly_even_in_the_warm_up():
     rounds = rounds_of((20.0, 20.0, 150.0), (20.0, 20.0, 150.0))
     rounds[0]["samples"]["kvcr"]["replay"] = sample(900.0)  # recomputed

@@ -352,6 +352,7 @@ def _after_init_cache_linker(result: Any, cache: Any, cache_linker: Any) -> None
     ):
         return
     require_hooks_installed()
+    linker_hook(cache_linker, "lookup_groups")(len(stored_marks.reduce_groups(cache)))
     from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
 
     if not isinstance(cache.tree_core, UnifiedTreeCore):

@@ -88,6 +88,11 @@ class PreparationHooks:
         request comes or up to 1 s (``--sleep-on-idle``, the Rust server), so a
         later idle pass may be that far off; the same on every rank."""
 
+    def lookup_groups(self, groups: int) -> None:
+        """How many process groups ``lookup``'s restorable lengths are intersected
+        over (SGLang's MIN across the attention group); 0 on a single attention
+        rank, where only the longest counts. Told once, when the linker is bound."""
+
     def batch_result_started(self) -> None:
         """The scheduler starts processing a batch's result (its write-through
         offloads come from inside it)."""
@@ -126,6 +131,7 @@ HOOK_NAMES = (
     "finish_request",
     "take_removed_page_hashes",
     "scheduler_idle",
+    "lookup_groups",
     "batch_result_started",
     "batch_done",
     "weights_changing",
