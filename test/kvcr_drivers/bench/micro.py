@@ -240,6 +240,15 @@ def report(
                 f"over its {zero_hit['samples']} rounds [{low}, {high}]"
                 + (" (noisy: every round, busy ones too)" if zero_hit["noisy"] else "")
             )
+        replay = next(
+            (m for m in metrics if m["name"] == "replay_ttft_vs_device_hit"), {}
+        )
+        if replay.get("ratio_ci90"):
+            low, high = replay["ratio_ci90"]
+            print(
+                f"replay TTFT vs device hit {replay['ratio']}, 90% bootstrap "
+                f"interval over its {replay['samples']} rounds [{low}, {high}]"
+            )
         parts = next((m for m in metrics if m["name"] == NAME_BY_PARTS), {})
         if parts.get("stages"):
             print(

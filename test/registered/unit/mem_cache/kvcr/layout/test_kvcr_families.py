@@ -255,6 +255,10 @@ def test_a_boundary_needs_the_mamba_state_of_its_last_page(
             LinkerRequestContext("m"), _lookup_transfers(stack, keys)
         )
         wait_until(lambda: linker.preparation_ready(handle), what="prepared")
+        # Bound on one attention rank, the longest length alone (SGLang's MIN has
+        # nothing to intersect); under TP every one, for the ranks' MIN.
+        assert linker.lookup("m", _lookup_transfers(stack, keys)) == want[-1:]
+        linker.lookup_groups(1)
         assert linker.lookup("m", _lookup_transfers(stack, keys)) == want
         assert linker.lookup("m", _lookup_transfers(stack, keys[:3])) == (
             [3] if swa_pages is None else []

@@ -87,6 +87,8 @@ def _run_rank(rank: int, port: int) -> dict[str, Any]:
             "timings": timings,
             "tree_core": type(cache.tree_core).__name__,
             "linker": type(cache.linker.cache_linker).__name__,
+            # Bound on a real two-rank group: lookups report every length.
+            "lookups_reduced": cache.linker.cache_linker._lookups_reduced,
             "deposit_bytes": sum(
                 p.page_bytes * len(p.part_labels)
                 for p in cache.linker.cache_linker.layout.pools
@@ -354,6 +356,8 @@ def test_each_rank_runs_its_own_kvcr_linker_on_the_python_tree_core(ranks):
         print(f"rank {rank} timings (s since spawn): {ranks[rank]['timings']}")
         assert ranks[rank]["tree_core"] == "UnifiedTreeCore"
         assert ranks[rank]["linker"] == "KVCRDirectLinker"
+        # The ranks' MIN intersects every restorable length each reports.
+        assert ranks[rank]["lookups_reduced"] is True
         # The refusing rank's budget is exactly one page's deposit.
         assert ranks[rank]["deposit_bytes"] == PAGE_DEPOSIT_BYTES
 

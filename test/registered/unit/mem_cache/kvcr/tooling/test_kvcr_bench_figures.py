@@ -80,6 +80,20 @@ def test_each_result_follows_from_the_rows_numbers():
         assert r["result"] == figures.RESULT[target.check(values)], r
 
 
+def test_an_interval_is_two_ordered_numbers_around_nothing_else():
+    """Where a row has a bootstrap interval it reads ``[low; high]``, low <= high;
+    the zero-hit ratio always has one (its rounds are paired by prompt)."""
+    _, rows = table()
+    seen = {}
+    for r in rows:
+        if r["ci90"] == "-":
+            continue
+        low, high = (float(x) for x in r["ci90"].strip("[]").split(";"))
+        assert low <= high, r
+        seen[r["metric"]] = (low, high)
+    assert "zero_hit_ttft_ratio" in seen
+
+
 def test_the_source_line_names_the_pinned_versions():
     source, _ = table()
     pins = dict(re.findall(r"^([a-z0-9_-]+)==(\S+)", PINS.read_text(), re.MULTILINE))
