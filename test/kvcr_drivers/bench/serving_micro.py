@@ -286,9 +286,10 @@ def bench_serving(
     if not args.quick:
         # A second server each of the two arms the target compares. Two servers
         # of one configuration differ by up to 5-7% in median cold TTFT on a
-        # 2-core host (memory layout, hash seed, thread placement: fixed for a
-        # server's life, so more rounds do not average it out); the ratio uses
-        # both of each, and their spread is reported (``instance_spread``).
+        # 2-core host, an offset that outlasts a run's rounds (not memory layout
+        # or hash seed: see the docs), so more rounds do not average it out; the
+        # ratio uses both of each, and their spread is reported
+        # (``instance_spread``).
         variants += [(n + TWIN, a, e) for n, a, e in variants if n in TWINNED_ARMS]
     servers: dict[str, harness.ServerHandle] = {}
     rounds: list[dict[str, Any]] = []
