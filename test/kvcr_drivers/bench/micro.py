@@ -232,23 +232,18 @@ def report(
             + ", ".join(f"{k}={v:.1f}" for k, v in serving["median_ttft_ms"].items())
             + split
         )
-        zero_hit = next((m for m in metrics if m["name"] == "zero_hit_ttft_ratio"), {})
-        if zero_hit.get("ratio_ci90"):
-            low, high = zero_hit["ratio_ci90"]
-            print(
-                f"zero-hit TTFT ratio {zero_hit['ratio']}, 90% bootstrap interval "
-                f"over its {zero_hit['samples']} rounds [{low}, {high}]"
-                + (" (noisy: every round, busy ones too)" if zero_hit["noisy"] else "")
-            )
-        replay = next(
-            (m for m in metrics if m["name"] == "replay_ttft_vs_device_hit"), {}
-        )
-        if replay.get("ratio_ci90"):
-            low, high = replay["ratio_ci90"]
-            print(
-                f"replay TTFT vs device hit {replay['ratio']}, 90% bootstrap "
-                f"interval over its {replay['samples']} rounds [{low}, {high}]"
-            )
+        labels = {
+            "zero_hit_ttft_ratio": "zero-hit TTFT ratio",
+            "replay_ttft_vs_device_hit": "replay TTFT vs device hit",
+        }
+        for m in metrics:
+            if m["name"] in labels and m.get("ratio_ci90"):
+                low, high = m["ratio_ci90"]
+                print(
+                    f"{labels[m['name']]} {m['ratio']}, 90% bootstrap interval "
+                    f"over its {m['samples']} rounds [{low}, {high}]"
+                    + (" (noisy: every round, busy ones too)" if m.get("noisy") else "")
+                )
         parts = next((m for m in metrics if m["name"] == NAME_BY_PARTS), {})
         if parts.get("stages"):
             print(
