@@ -45,6 +45,7 @@ SECTIONS: tuple[tuple[str, Callable[..., None], tuple[str, ...]], ...] = (
             "replay_ttft_vs_recompute",
             "write_through_pages_per_s",
             "write_through_refusals",
+            "write_through_back_to_back",
             "zero_hit_ttft_ratio",
         ),
     ),
@@ -84,6 +85,7 @@ UNITS = {
     "replay_ttft_vs_recompute": "ms",
     "write_through_pages_per_s": "pages/s",
     "write_through_refusals": "count",
+    "write_through_back_to_back": "x",
 }
 
 

@@ -333,7 +333,7 @@ def bench_serving(
         except Exception as exc:
             traceback.print_exc()
             error = f"{type(exc).__name__}: {exc}"[:2000]
-            units = ("ms", "ms", "pages/s", "count")
+            units = ("ms", "ms", *serving_replay.WRITE_THROUGH_UNITS)
             replay_names = (
                 serving_replay.REPLAY_METRICS + serving_replay.WRITE_THROUGH_METRICS
             )

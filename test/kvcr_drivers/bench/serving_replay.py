@@ -21,6 +21,14 @@ TTFT. ``replay_ttft_vs_recompute``: median kvcr replay TTFT over median none rep
 (recompute) TTFT, informational. Round 0 warms the path up and is left out of the
 medians.
 
+``write_through_back_to_back``: the fillers run back to back (each sent when the
+one before has answered), so on ``kvcr`` each one's prefill runs beside the
+write-through of the one before, which the cold P (after a pause) never does.
+Per server: the median over rounds of each round's median filler TTFT, over the
+median cold P TTFT (its slowdown back to back); the metric is kvcr's slowdown
+over none's (informational), which leaves out the per-server offset that a plain
+kvcr-over-none ratio of two servers carries (see ``serving_micro``).
+
 ``write_through_pages_per_s`` / ``write_through_refusals`` come from these rounds'
 unique prefills on the kvcr server (the seeds and fillers, back to back): the
 ``KVCR_STATS`` deltas (``serving.parse_stats``) from a line logged after the
@@ -44,7 +52,12 @@ from kvcr_drivers.bench import decode_itl, serving
 from kvcr_drivers.bench.metrics import dist, metric, ratio_ci
 
 REPLAY_METRICS = ("replay_ttft_vs_device_hit", "replay_ttft_vs_recompute")
-WRITE_THROUGH_METRICS = ("write_through_pages_per_s", "write_through_refusals")
+WRITE_THROUGH_METRICS = (
+    "write_through_pages_per_s",
+    "write_through_refusals",
+    "write_through_back_to_back",
+)
+WRITE_THROUGH_UNITS = ("pages/s", "count", "x")
 REFUSAL_FIELDS = ("offload_failures", "refused_offload", "staging_full")
 PAGE_FIELDS = ("offloads", "offload_pages", "offloaded_bytes")
 HIT_SHARE = 0.9  # of the page-aligned prompt, as kvcr_bench's replay check
@@ -143,6 +156,47 @@ def replay_metrics(rounds: list[dict[str, Any]], need: int) -> list[dict[str, An
     ]
 
 
+def back_to_back_metric(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """``write_through_back_to_back`` from every round's samples (each server's
+    ``"cold"`` sample and ``"fillers"``, the fillers' ``stream_ttft`` records);
+    over the rounds that are not warm-ups. A filler served from cache, or a round
+    without fillers, makes it an error that names it."""
+    used = [r["samples"] for r in rounds if not r["warmup"]]
+    wrong = [
+        f"round {i}: {name} "
+        + ("had no filler" if not s["fillers"] else "served a filler from cache")
+        for i, r in enumerate(rounds)
+        for name, s in r["samples"].items()
+        if not s["fillers"] or any(f["cached_tokens"] for f in s["fillers"])
+    ]
+    if not used:
+        wrong.append("no measured round")
+    if wrong:
+        return metric(
+            "write_through_back_to_back", None, "x", error="; ".join(wrong)[:2000]
+        )
+    med = statistics.median
+
+    def rounds_of(name: str) -> tuple[list[float], list[float]]:
+        b2b = [med(f["ttft_ms"] for f in s[name]["fillers"]) for s in used]
+        return b2b, [s[name]["cold"]["ttft_ms"] for s in used]
+
+    (kb, kc), (nb, nc) = rounds_of("kvcr"), rounds_of("none")
+    return metric(
+        "write_through_back_to_back",
+        med(kb) / med(kc),
+        "x",
+        med(nb) / med(nc),
+        samples=len(used),
+        kvcr_back_to_back_ms=kb,
+        kvcr_cold_ms=kc,
+        none_back_to_back_ms=nb,
+        none_cold_ms=nc,
+        kvcr_over_none_back_to_back=round(med(kb) / med(nb), 4),
+        kvcr_over_none_cold=round(med(kc) / med(nc), 4),
+    )
+
+
 def stats_delta(before: str, after: str) -> dict[str, int]:
     """The write-through counters moved between two KVCR_STATS lines (a counter
     missing from a line counts as 0 there)."""
@@ -166,7 +220,9 @@ def write_through_metrics(
         error += " the replay rounds to count the write-through from"
         return [
             metric(n, None, u, error=error)
-            for n, u in zip(WRITE_THROUGH_METRICS, ("pages/s", "count"), strict=True)
+            for n, u in zip(
+                WRITE_THROUGH_METRICS[:2], WRITE_THROUGH_UNITS[:2], strict=True
+            )
         ]
     delta = stats_delta(before, after)
     error = None
@@ -250,8 +306,11 @@ def bench_replay(
                 # 26.2 ms recompute on the other server).
                 time.sleep(serving.SETTLE_S)
                 s["hit"] = serving.stream_ttft(server, seed, 1, timeout=120.0)
-                for ids in filler:
-                    server.generate(input_ids=ids, max_new_tokens=1, timeout=120.0)
+                # Back to back: each filler's prefill beside the write-through
+                # of the one before (write_through_back_to_back).
+                s["fillers"] = [
+                    serving.stream_ttft(server, ids, 1, timeout=120.0) for ids in filler
+                ]
                 time.sleep(serving.SETTLE_S)
                 s["replay"] = serving.stream_ttft(server, seed, 1, timeout=120.0)
             if name == "kvcr":  # pauses included: the write-throughs run in them
@@ -280,3 +339,4 @@ def bench_replay(
             len(rounds) * (1 + fillers),
         )
     )
+    metrics.append(back_to_back_metric(rounds))

@@ -43,6 +43,7 @@ SERVING = {  # name: (unit, target on cpu)
     "replay_ttft_vs_recompute": ("ms", None),
     "write_through_pages_per_s": ("pages/s", None),
     "write_through_refusals": ("count", "value == 0"),
+    "write_through_back_to_back": ("x", None),
     "zero_hit_ttft_ratio": ("ms", "ratio <= 1.02"),
 }
 

@@ -150,6 +150,42 @@ def test_no_measured_round_is_an_error_not_a_number():
     assert "no measured round" in m["replay_ttft_vs_device_hit"]["error"]
 
 
+def with_fillers(
+    rounds: list[dict[str, Any]], kvcr: list[float], none: list[float]
+) -> list[dict[str, Any]]:
+    """``rounds`` with every server's fillers at these TTFTs (cold P: 150 ms)."""
+    for r in rounds:
+        r["samples"]["kvcr"]["fillers"] = [sample(ms) for ms in kvcr]
+        r["samples"]["none"]["fillers"] = [sample(ms) for ms in none]
+    return rounds
+
+
+def test_back_to_back_slowdowns_are_kvcrs_over_nones_against_each_cold_p():
+    rounds = with_fillers(
+        rounds_of((20.0, 21.0, 150.0), (20.0, 21.0, 150.0)),
+        kvcr=[160.0, 180.0, 900.0],  # a round's median filler: 180
+        none=[130.0, 140.0, 160.0],
+    )
+    rounds[1]["samples"]["none"]["cold"] = sample(100.0)  # the median: 125
+    rounds[0]["samples"]["kvcr"]["fillers"] = [sample(1.0)] * 3  # warm-up
+    m = serving_replay.back_to_back_metric(rounds)
+    assert m["name"] == "write_through_back_to_back" and "error" not in m, m
+    assert m["value"] == round(180.0 / 150.0, 4)  # kvcr's slowdown
+    assert m["baseline"] == round(140.0 / 125.0, 4)  # none's
+    assert m["ratio"] == round(1.2 / 1.12, 4) and m["passed"] is None
+    assert m["samples"] == 2 and m["kvcr_over_none_back_to_back"] == round(180 / 140, 4)
+
+
+def test_a_cached_or_missing_filler_makes_back_to_back_an_error():
+    rounds = with_fillers(rounds_of((20.0, 21.0, 150.0)), [160.0], [150.0])
+    rounds[1]["samples"]["kvcr"]["fillers"] = [sample(10.0, device=16)]
+    rounds[0]["samples"]["none"]["fillers"] = []
+    m = serving_replay.back_to_back_metric(rounds)
+    assert m["value"] is None and m["ratio"] is None, m
+    assert "round 0: none had no filler" in m["error"], m
+    assert "round 1: kvcr served a filler from cache" in m["error"], m
+
+
 def test_fillers_cycle_the_device_pool_twice():
     assert fillers_for(8192, 1024) == 18  # the microbench's pool of 8 prompts
     assert fillers_for(4096, 1024) == 10  # kvcr_bench's evict_replay default
@@ -210,7 +246,9 @@ def test_the_hit_and_the_replay_each_start_after_a_pause(monkeypatch):
     it (the cold P, the last filler), whose write-through runs a few ms after its
     response, on both servers alike."""
     events: list[tuple[str, str]] = []
-    kinds = iter(["cold", "hit", "replay"] * 8)
+    fillers = fillers_for(128, 64)
+    # Each server's round, run whole while it is resumed: two rounds each.
+    kinds = iter((["cold", "hit"] + ["filler"] * fillers + ["replay"]) * 4)
 
     def stream_ttft(server, ids, n, timeout):
         kind = next(kinds)
@@ -221,9 +259,6 @@ def test_the_hit_and_the_replay_each_start_after_a_pause(monkeypatch):
             return sample(11.0, external=NEED)
         return sample(20.0)
 
-    def generate(name):
-        return lambda **k: events.append((name, "filler"))
-
     monkeypatch.setattr(serving, "stream_ttft", stream_ttft)
     monkeypatch.setattr(serving, "running", lambda s: contextlib.nullcontext(0.0))
     monkeypatch.setattr(
@@ -231,8 +266,7 @@ def test_the_hit_and_the_replay_each_start_after_a_pause(monkeypatch):
     )
     stats = line(offloads=1, offload_pages=2, offloaded_bytes=3)
     servers = {
-        n: SimpleNamespace(base_url=n, generate=generate(n), log_text=lambda: "")
-        for n in ("none", "kvcr")
+        n: SimpleNamespace(base_url=n, log_text=lambda: "") for n in ("none", "kvcr")
     }
     args = SimpleNamespace(
         ttft_prompt_len=64,
@@ -255,3 +289,10 @@ def test_the_hit_and_the_replay_each_start_after_a_pause(monkeypatch):
                 assert mine[i - 1] == pause, (name, kind, mine[i - 1])
     assert serving.SETTLE_S > 0
     assert [k for _, k in events].count(pause[1]) == 2 * 2 * 2  # 2 rounds x 2 servers
+    # The fillers ran back to back (no pause between them) and were timed.
+    for name in ("none", "kvcr"):
+        mine = [k for n, k in events if n in (name, "")]
+        at = mine.index("filler")
+        assert mine[at : at + fillers] == ["filler"] * fillers, mine
+    b2b = by_name(metrics)["write_through_back_to_back"]
+    assert "error" not in b2b and b2b["ratio"] == 1.0, b2b
