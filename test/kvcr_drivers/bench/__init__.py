@@ -7,7 +7,8 @@
 ``hint_hooks``    hinted preparation from a peer; scheduler hook overhead
 ``serving_micro`` zero-hit TTFT and decode ITL on CPU servers, side by side
 ``serving_replay`` evicted-prompt replay from KVCR vs device hit / recompute;
-                  the write-through rate and refusals of that traffic
+                  the write-through rate and refusals of that traffic, and
+                  its cold prefills back to back against after a pause
 ``serving``       streaming TTFT, pause/resume and report helpers of the servers
 ``serving_bench`` the serving benchmark (none / hicache / kvcr)
 ``decode_itl``    the foreground decode inter-token latency workload

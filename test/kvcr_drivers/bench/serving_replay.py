@@ -22,12 +22,15 @@ TTFT. ``replay_ttft_vs_recompute``: median kvcr replay TTFT over median none rep
 medians.
 
 ``write_through_back_to_back``: the fillers run back to back (each sent when the
-one before has answered), so on ``kvcr`` each one's prefill runs beside the
-write-through of the one before, which the cold P (after a pause) never does.
-Per server: the median over rounds of each round's median filler TTFT, over the
-median cold P TTFT (its slowdown back to back); the metric is kvcr's slowdown
-over none's (informational), which leaves out the per-server offset that a plain
-kvcr-over-none ratio of two servers carries (see ``serving_micro``).
+one before has answered), so on ``kvcr`` each one is served while the
+write-through of the one before is still being done (its deposit held for a
+batch result, at most 20 ms, or until the scheduler idles: ``BatchHold``), its
+scheduling, prefill or output sharing the cores and the GIL with that work, which
+the cold P (after a pause) never does. Per server: the median over rounds of
+each round's median filler TTFT, over the median cold P TTFT (its slowdown back
+to back); the metric is kvcr's slowdown over none's (informational), which
+leaves out the per-server offset that a plain kvcr-over-none ratio of two
+servers carries (see ``serving_micro``).
 
 ``write_through_pages_per_s`` / ``write_through_refusals`` come from these rounds'
 unique prefills on the kvcr server (the seeds and fillers, back to back): the
@@ -159,15 +162,14 @@ def replay_metrics(rounds: list[dict[str, Any]], need: int) -> list[dict[str, An
 def back_to_back_metric(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """``write_through_back_to_back`` from every round's samples (each server's
     ``"cold"`` sample and ``"fillers"``, the fillers' ``stream_ttft`` records);
-    over the rounds that are not warm-ups. A filler served from cache, or a round
-    without fillers, makes it an error that names it."""
+    over the rounds that are not warm-ups. A filler or cold P served from cache,
+    or a round without fillers, makes it an error that names it."""
     used = [r["samples"] for r in rounds if not r["warmup"]]
     wrong = [
-        f"round {i}: {name} "
-        + ("had no filler" if not s["fillers"] else "served a filler from cache")
+        f"round {i}: {name} {why}"
         for i, r in enumerate(rounds)
         for name, s in r["samples"].items()
-        if not s["fillers"] or any(f["cached_tokens"] for f in s["fillers"])
+        for why in _unfit(s)
     ]
     if not used:
         wrong.append("no measured round")
@@ -195,6 +197,17 @@ def back_to_back_metric(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         kvcr_over_none_back_to_back=round(med(kb) / med(nb), 4),
         kvcr_over_none_cold=round(med(kc) / med(nc), 4),
     )
+
+
+def _unfit(s: dict[str, Any]) -> list[str]:
+    """Why one server's round cannot time its prefills back to back, if it
+    cannot: every filler and the cold P must be computed, not served from cache."""
+    why = [] if s["fillers"] else ["had no filler"]
+    if any(f["cached_tokens"] for f in s["fillers"]):
+        why.append("served a filler from cache")
+    if s["cold"]["cached_tokens"]:
+        why.append("served its cold P from cache")
+    return why
 
 
 def stats_delta(before: str, after: str) -> dict[str, int]:
@@ -262,7 +275,7 @@ def bench_replay(
     metrics: list[dict[str, Any]],
 ) -> None:
     """Round 0 (warm-up) and ``--replay-rounds`` rounds on kvcr and none (see the
-    module docstring), then the four metrics into ``metrics``."""
+    module docstring), then the five metrics into ``metrics``."""
     from kvcr_drivers.bench.serving_micro import stats_after  # imports this module
 
     runs = {name: servers[name] for name in ("none", "kvcr")}
@@ -322,7 +335,10 @@ def bench_replay(
             f"[bench] replay round {i}: kvcr hit {k['hit']['ttft_ms']:.1f} ms, "
             f"replay {k['replay']['ttft_ms']:.1f} ms (from KVCR "
             f"{k['replay']['external_cached_tokens']} tokens); none recompute "
-            f"{n['replay']['ttft_ms']:.1f} ms (cached {n['replay']['cached_tokens']})",
+            f"{n['replay']['ttft_ms']:.1f} ms (cached {n['replay']['cached_tokens']}); "
+            "filler medians: kvcr "
+            f"{statistics.median(f['ttft_ms'] for f in k['fillers']):.1f} ms, none "
+            f"{statistics.median(f['ttft_ms'] for f in n['fillers']):.1f} ms",
             flush=True,
         )
     ended = time.time()

@@ -56,8 +56,9 @@ Measures, in one run and side by side:
     and its offloads refused or failed (``offload_failures`` + ``refused_offload``
     + ``staging_full``), from the KVCR_STATS deltas over those rounds.
     ``write_through_back_to_back`` (informational): in the same rounds, how much
-    more the kvcr server's fillers (each prefilled beside the write-through of the
-    one before) slow down against its cold P (after a pause) than none's do.
+    more the kvcr server's fillers (each served while the write-through of the one
+    before is still being done) slow down against its cold P (after a pause) than
+    none's do.
 (f) ``restore_vs_pinned_h2d_<n>p`` / ``offload_vs_pinned_d2h_<n>p`` (transfer
     section) at ``--transfer-pages`` (47 and 256 on cuda, 47 on cpu): a pool of
     that geometry on ``--device``; the restore into scattered pool pages against

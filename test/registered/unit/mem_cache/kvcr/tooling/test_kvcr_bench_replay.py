@@ -161,29 +161,41 @@ def with_fillers(
 
 
 def test_back_to_back_slowdowns_are_kvcrs_over_nones_against_each_cold_p():
+    """Each round's median filler, then the median over the measured rounds
+    (neither a pooled median nor a mean), over the median cold P, per server."""
     rounds = with_fillers(
-        rounds_of((20.0, 21.0, 150.0), (20.0, 21.0, 150.0)),
-        kvcr=[160.0, 180.0, 900.0],  # a round's median filler: 180
+        rounds_of(*[(20.0, 21.0, 150.0)] * 3),
+        kvcr=[160.0, 180.0, 900.0],  # a round's median: 180 (its mean: 413)
         none=[130.0, 140.0, 160.0],
     )
-    rounds[1]["samples"]["none"]["cold"] = sample(100.0)  # the median: 125
-    rounds[0]["samples"]["kvcr"]["fillers"] = [sample(1.0)] * 3  # warm-up
+    rounds[2]["samples"]["kvcr"]["fillers"] = [sample(ms) for ms in (100.0, 160.0)]
+    rounds[3]["samples"]["kvcr"]["fillers"] = [
+        sample(ms) for ms in (250.0, 270.0, 280.0)
+    ]
+    # kvcr's round medians: 180, 130, 270 -> 180 (mean 193; all its fillers
+    # pooled: 215); the warm-up's 1000, were it counted, would make it 225.
+    rounds[0]["samples"]["kvcr"]["fillers"] = [sample(1000.0)] * 3
+    rounds[1]["samples"]["none"]["cold"] = sample(100.0)  # none's cold: 150
+    rounds[2]["samples"]["none"]["cold"] = sample(120.0)  # 100, 120, 150 -> 120
     m = serving_replay.back_to_back_metric(rounds)
     assert m["name"] == "write_through_back_to_back" and "error" not in m, m
     assert m["value"] == round(180.0 / 150.0, 4)  # kvcr's slowdown
-    assert m["baseline"] == round(140.0 / 125.0, 4)  # none's
-    assert m["ratio"] == round(1.2 / 1.12, 4) and m["passed"] is None
-    assert m["samples"] == 2 and m["kvcr_over_none_back_to_back"] == round(180 / 140, 4)
+    assert m["baseline"] == round(140.0 / 120.0, 4)  # none's
+    assert m["ratio"] == round((180.0 / 150.0) / (140.0 / 120.0), 4)
+    assert m["passed"] is None and m["samples"] == 3
+    assert m["kvcr_over_none_back_to_back"] == round(180 / 140, 4)
 
 
-def test_a_cached_or_missing_filler_makes_back_to_back_an_error():
+def test_a_cached_or_missing_sample_makes_back_to_back_an_error():
     rounds = with_fillers(rounds_of((20.0, 21.0, 150.0)), [160.0], [150.0])
     rounds[1]["samples"]["kvcr"]["fillers"] = [sample(10.0, device=16)]
     rounds[0]["samples"]["none"]["fillers"] = []
+    rounds[1]["samples"]["none"]["cold"] = sample(10.0, external=16)
     m = serving_replay.back_to_back_metric(rounds)
     assert m["value"] is None and m["ratio"] is None, m
     assert "round 0: none had no filler" in m["error"], m
     assert "round 1: kvcr served a filler from cache" in m["error"], m
+    assert "round 1: none served its cold P from cache" in m["error"], m
 
 
 def test_fillers_cycle_the_device_pool_twice():
@@ -289,10 +301,14 @@ def test_the_hit_and_the_replay_each_start_after_a_pause(monkeypatch):
                 assert mine[i - 1] == pause, (name, kind, mine[i - 1])
     assert serving.SETTLE_S > 0
     assert [k for _, k in events].count(pause[1]) == 2 * 2 * 2  # 2 rounds x 2 servers
-    # The fillers ran back to back (no pause between them) and were timed.
+    # Every round's fillers ran back to back (no pause between them), timed.
     for name in ("none", "kvcr"):
         mine = [k for n, k in events if n in (name, "")]
-        at = mine.index("filler")
-        assert mine[at : at + fillers] == ["filler"] * fillers, mine
+        starts = [i for i, k in enumerate(mine) if k == "hit"]
+        assert len(starts) == 2, mine
+        for at in starts:
+            assert mine[at + 1 : at + 2 + fillers] == ["filler"] * fillers + [
+                "sleep " + str(serving.SETTLE_S)
+            ], mine
     b2b = by_name(metrics)["write_through_back_to_back"]
     assert "error" not in b2b and b2b["ratio"] == 1.0, b2b
