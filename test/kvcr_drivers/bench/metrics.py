@@ -75,7 +75,7 @@ TARGETS: dict[str, Target | None] = {
     "write_through_pages_per_s": None,
     "write_through_refusals": Target("value", "==", 0),
     # Informational: how much more a kvcr server's cold prefills slow down back
-    # to back (each beside the write-through of the one before) than none's.
+    # to back (each served while the one before is written through) than none's.
     "write_through_back_to_back": None,
     # Informational: the offload against the same plain copy run on a side thread
     # whose end is polled at the offload's pace (what the bench's poll costs).

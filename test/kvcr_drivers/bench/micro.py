@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvcr_drivers.bench import plot
+from kvcr_drivers.bench import plot, serving_replay
 from kvcr_drivers.bench.copy_prepare import bench_copy_and_prepare
 from kvcr_drivers.bench.hint_hooks import bench_hint, bench_hooks
 from kvcr_drivers.bench.metrics import metric, target_of, wait_for_quiet
@@ -81,11 +81,7 @@ UNITS = {
     "linker_idle_cpu_pct": "% core",
     "decode_itl_p50_ratio": "ms",
     "decode_itl_p99_ratio": "ms",
-    "replay_ttft_vs_device_hit": "ms",
-    "replay_ttft_vs_recompute": "ms",
-    "write_through_pages_per_s": "pages/s",
-    "write_through_refusals": "count",
-    "write_through_back_to_back": "x",
+    **serving_replay.UNITS,
 }
 
 

@@ -333,13 +333,9 @@ def bench_serving(
         except Exception as exc:
             traceback.print_exc()
             error = f"{type(exc).__name__}: {exc}"[:2000]
-            units = ("ms", "ms", *serving_replay.WRITE_THROUGH_UNITS)
-            replay_names = (
-                serving_replay.REPLAY_METRICS + serving_replay.WRITE_THROUGH_METRICS
-            )
             metrics += [
                 metric(n, None, u, error=error)
-                for n, u in zip(replay_names, units, strict=True)
+                for n, u in serving_replay.UNITS.items()
                 if n not in {m["name"] for m in metrics}
             ]
             for handle in servers.values():

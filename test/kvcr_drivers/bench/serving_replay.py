@@ -55,12 +55,14 @@ from kvcr_drivers.bench import decode_itl, serving
 from kvcr_drivers.bench.metrics import dist, metric, ratio_ci
 
 REPLAY_METRICS = ("replay_ttft_vs_device_hit", "replay_ttft_vs_recompute")
-WRITE_THROUGH_METRICS = (
-    "write_through_pages_per_s",
-    "write_through_refusals",
-    "write_through_back_to_back",
-)
-WRITE_THROUGH_UNITS = ("pages/s", "count", "x")
+WRITE_THROUGH_METRICS = ("write_through_pages_per_s", "write_through_refusals")
+BACK_TO_BACK = "write_through_back_to_back"
+# Every metric ``bench_replay`` reports, in report order, with its unit.
+UNITS = {
+    **dict.fromkeys(REPLAY_METRICS, "ms"),
+    **dict(zip(WRITE_THROUGH_METRICS, ("pages/s", "count"), strict=True)),
+    BACK_TO_BACK: "x",
+}
 REFUSAL_FIELDS = ("offload_failures", "refused_offload", "staging_full")
 PAGE_FIELDS = ("offloads", "offload_pages", "offloaded_bytes")
 HIT_SHARE = 0.9  # of the page-aligned prompt, as kvcr_bench's replay check
@@ -175,7 +177,7 @@ def back_to_back_metric(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         wrong.append("no measured round")
     if wrong:
         return metric(
-            "write_through_back_to_back", None, "x", error="; ".join(wrong)[:2000]
+            BACK_TO_BACK, None, UNITS[BACK_TO_BACK], error="; ".join(wrong)[:2000]
         )
     med = statistics.median
 
@@ -185,9 +187,9 @@ def back_to_back_metric(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
     (kb, kc), (nb, nc) = rounds_of("kvcr"), rounds_of("none")
     return metric(
-        "write_through_back_to_back",
+        BACK_TO_BACK,
         med(kb) / med(kc),
-        "x",
+        UNITS[BACK_TO_BACK],
         med(nb) / med(nc),
         samples=len(used),
         kvcr_back_to_back_ms=kb,
@@ -231,12 +233,7 @@ def write_through_metrics(
     if before is None or after is None:
         error = "no KVCR_STATS line " + ("before" if before is None else "after")
         error += " the replay rounds to count the write-through from"
-        return [
-            metric(n, None, u, error=error)
-            for n, u in zip(
-                WRITE_THROUGH_METRICS[:2], WRITE_THROUGH_UNITS[:2], strict=True
-            )
-        ]
+        return [metric(n, None, UNITS[n], error=error) for n in WRITE_THROUGH_METRICS]
     delta = stats_delta(before, after)
     error = None
     if delta["offload_pages"] <= 0:
@@ -319,8 +316,8 @@ def bench_replay(
                 # 26.2 ms recompute on the other server).
                 time.sleep(serving.SETTLE_S)
                 s["hit"] = serving.stream_ttft(server, seed, 1, timeout=120.0)
-                # Back to back: each filler's prefill beside the write-through
-                # of the one before (write_through_back_to_back).
+                # Back to back: each filler served while the write-through of
+                # the one before is still being done (write_through_back_to_back).
                 s["fillers"] = [
                     serving.stream_ttft(server, ids, 1, timeout=120.0) for ids in filler
                 ]

@@ -312,3 +312,6 @@ def test_the_hit_and_the_replay_each_start_after_a_pause(monkeypatch):
             ], mine
     b2b = by_name(metrics)["write_through_back_to_back"]
     assert "error" not in b2b and b2b["ratio"] == 1.0, b2b
+    # UNITS (what a failed section reports in its place) is what it reports.
+    assert {m["name"]: m["unit"] for m in metrics} == serving_replay.UNITS
+    assert [m["name"] for m in metrics] == list(serving_replay.UNITS)
