@@ -139,10 +139,13 @@ def test_deposit_fetch_release_round_trip_is_byte_exact(buffers):
         adapter.close()
 
 
-def test_every_kvcr_call_runs_on_the_owner_thread(buffers):
+def test_every_kvcr_call_runs_on_the_owner_thread(buffers, monkeypatch):
     """A deposit's slot reservation, fetch, poll, query, release and close all
     run on the adapter's thread, each at least once, driven through the adapter's
-    own commands."""
+    own commands; so do the claims of a fetch of pages resident here (one pass)
+    and kvcr's own claims."""
+    from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import local_claims
+
     fw, store = buffers
     adapter = _make(fw, store, "adapter-thread")
     calls: list[tuple[str, str]] = []
@@ -164,13 +167,20 @@ def test_every_kvcr_call_runs_on_the_owner_thread(buffers):
             return allocate(*a, **k)
 
         local._allocate_slots = spy_allocate
-        claim_one = local._acquire_claim  # a fetch of pages resident here
+        claim_one = local._acquire_claim  # kvcr's own fetch claims here ...
 
         def spy_claim(*a, **k):
             calls.append(("_acquire_claim", threading.current_thread().name))
             return claim_one(*a, **k)
 
         local._acquire_claim = spy_claim
+        claim_all = local_claims.claim_all  # ... and one of them in one pass
+
+        def spy_claim_all(*a, **k):
+            calls.append(("claim_all", threading.current_thread().name))
+            return claim_all(*a, **k)
+
+        monkeypatch.setattr(local_claims, "claim_all", spy_claim_all)
         op = adapter.next_op_id()
         adapter.submit(
             Deposit(op_id=op, blocks={_key(1): _ref("adapter-thread", 1)}, nbytes=BLOCK)
@@ -204,7 +214,7 @@ def test_every_kvcr_call_runs_on_the_owner_thread(buffers):
         _release_all(adapter, [entry.claim, entries[_key(1)].claim])
     finally:
         adapter.close()
-    want = {*SPIED, "_allocate_slots", "_acquire_claim"}
+    want = {*SPIED, "_allocate_slots", "_acquire_claim", "claim_all"}
     assert {name for name, _ in calls} == want, calls
     assert {thread for _, thread in calls} == {adapter.owner_thread.name}, calls
     assert threading.current_thread().name != adapter.owner_thread.name
@@ -368,16 +378,16 @@ def test_a_fetch_queued_behind_a_release_runs_first(buffers, monkeypatch, one_pa
     try:
         claims = _deposit_and_claim(adapter, "adapter-defer", range(3))
         kv = adapter.call(lambda kv: kv)
-        local = kv._core._local_dram
-        claim_one = local._acquire_claim
+        claim_all = local_claims.claim_all
 
         def claim_spy(*a, **k):
-            if one_pass and "fetch" not in order:
+            out = claim_all(*a, **k)
+            if out is not None and "fetch" not in order:  # claimed in one pass
                 order.append("fetch")
                 time.sleep(2 * RELEASE_DEFER_S)  # outlasts the deferral
-            return claim_one(*a, **k)
+            return out
 
-        local._acquire_claim = claim_spy
+        monkeypatch.setattr(local_claims, "claim_all", claim_spy)
         for name in ("fetch", "release", "poll_completed"):
             original = getattr(kv, name)
 
@@ -595,10 +605,14 @@ def test_deferred_releases_wait_out_the_window_after_a_fetch(buffers, monkeypatc
         adapter.close()
 
 
-def test_a_fetch_that_moves_pages_runs_after_the_deferred_releases(buffers):
+def test_a_fetch_that_moves_pages_runs_after_the_deferred_releases(
+    buffers, monkeypatch
+):
     """A fetch that moves pages here (bytes charged: slots to reserve) first
     releases the deferred claims, whose slots it may need; one of pages all
     resident here (no bytes) runs first and leaves them deferred."""
+    from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import local_claims
+
     fw, store = buffers
     adapter = _make(fw, store, "adapter-moves")
     order: list[str] = []
@@ -609,11 +623,15 @@ def test_a_fetch_that_moves_pages_runs_after_the_deferred_releases(buffers):
         real_release, real_fetch = kv.release, kv.fetch
         kv.release = lambda h: order.append("release") or real_release(h)
         kv.fetch = lambda *a, **k: order.append("fetch") or real_fetch(*a, **k)
-        local = kv._core._local_dram
-        real_claim = local._acquire_claim  # pages resident here: one pass
-        local._acquire_claim = lambda *a, **k: (
-            order.append("claim") or real_claim(*a, **k)
-        )
+        real_claim = local_claims.claim_all  # pages resident here: one pass
+
+        def claim_spy(*a, **k):
+            out = real_claim(*a, **k)
+            if out is not None:
+                order.append("claim")
+            return out
+
+        monkeypatch.setattr(local_claims, "claim_all", claim_spy)
         for moved, claim in ((False, claims[:2]), (True, claims[2:])):
             go = _stalled(adapter)  # both queued before the owner runs either
             adapter.submit(Release(tuple(claim)))
@@ -767,6 +785,7 @@ def test_background_releases_let_a_queued_fetch_run_between_chunks(
     queued meanwhile runs after the chunk in progress, not after all of them,
     and the rest are still released."""
     from sglang.srt.mem_cache.storage.kvcr.owner import kvcr_executor
+    from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches import local_claims
 
     monkeypatch.setattr(kvcr_executor, "RELEASE_CHUNK", 2)
     fw, store = buffers
@@ -784,8 +803,7 @@ def test_background_releases_let_a_queued_fetch_run_between_chunks(
             nbytes=0,
         )
         real_release = kv.release
-        local = kv._core._local_dram
-        real_claim = local._acquire_claim
+        real_claim = local_claims.claim_all
 
         def release(handles):
             order.append(f"release:{len(handles)}")
@@ -797,7 +815,8 @@ def test_background_releases_let_a_queued_fetch_run_between_chunks(
             order.append("fetch")
             return real_claim(*a, **k)
 
-        kv.release, local._acquire_claim = release, claim_spy
+        kv.release = release
+        monkeypatch.setattr(local_claims, "claim_all", claim_spy)
         adapter.submit(Release(tuple(claims)))
         _wait_for(adapter, op)
         wait_until(

@@ -18,7 +18,7 @@ here; the instance attributes are 0.1.1's.
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import closing
+from heapq import heappop, heappush
 from typing import Any
 
 # Off only in tests: every deposit then allocates key by key, as kvcr does.
@@ -75,6 +75,18 @@ def builtin_policy(core: Any) -> bool:
     return core._g3 is None and type(core._policy._policy) in (FIFOPolicy, LRUPolicy)
 
 
+def unevictable(
+    local: Any, key: bytes, slots: list[tuple[str, int]], freed: Counter[str]
+) -> None:
+    """kvcr's ``_remove_evictable(key, residency)`` but for its slot counts,
+    which go into ``freed`` (the caller subtracts them from
+    ``_evictable_slots`` once, not through a generator per key)."""
+    local._unscored.discard(key)
+    if local._evictable.remove(key):
+        for label, _ in slots:
+            freed[label.partition(":")[0]] += 1
+
+
 def allocate(
     core: Any, label: str, count: int, keep: set[bytes], deadline: float
 ) -> tuple[list[tuple[str, int]] | None, list[bytes]]:
@@ -107,14 +119,18 @@ def allocate(
             return None, []
     else:
         chosen = []
+    freed: Counter[str] = Counter()  # _remove_evictable's slot counts
     try:
-        for key, record, residency in chosen:
-            local._remove_evictable(key, residency)
-            record.local_dram = None
-            victims.append(key)  # gone from kvcr from here on
-            local._residency_observer(key, record)
-            core._prune_block_record(key)
-            local._free(residency.slots)
+        try:
+            for key, record, residency in chosen:
+                unevictable(local, key, residency.slots, freed)
+                record.local_dram = None
+                victims.append(key)  # gone from kvcr from here on
+                local._residency_observer(key, record)
+                core._prune_block_record(key)
+                local._free(residency.slots)
+        finally:  # subtracted once, for every victim taken off the queue
+            local._evictable_slots.subtract(freed)
         locations, more, _ = local._allocate_slots([label] * count, keep, deadline)
     except BaseException:
         if victims:  # the linker must hear of every entry kvcr no longer holds
@@ -129,31 +145,50 @@ def _victims(
 ) -> list[tuple[bytes, Any, Any]] | None:
     """The evictable entries (key, record, residency) whose slots in ``pool``
     free ``need`` of them, taken in kvcr's eviction order, none of ``keep``; None
-    when there are not enough (nothing is changed)."""
+    when there are not enough (nothing is changed).
+
+    It walks kvcr's eviction queue as its ``candidates`` generator does (pop in
+    score order, drop stale entries, put back every live one popped), without
+    the generator and the two ``_Entry`` objects that builds per entry."""
     from kvcr.local_dram import _LocalDramState
 
     local = core._local_dram
     local._retry_unscored()
+    ready, records = _LocalDramState.READY, core._block_record_map
+    queue = local._evictable
+    heap, live = queue._heap, queue._live
+    popped: list[tuple[float, int, bytes]] = []  # live: all go back
     chosen = []
-    with closing(local._evictable.candidates(keep)) as candidates:
-        for key in candidates:
-            record = core._block_record_map.get(key)
+    try:
+        while heap:
+            item = heappop(heap)
+            score, sequence, key = item
+            entry = live.get(key)
+            if entry is None or entry.score != score or entry.sequence != sequence:
+                continue  # stale: kvcr drops it too
+            popped.append(item)
+            if key in keep:
+                continue
+            record = records.get(key)
             residency = None if record is None else record.local_dram
             if (
                 residency is None
-                or residency.state is not _LocalDramState.READY
+                or residency.state is not ready
                 or residency.claim_count
             ):
                 raise RuntimeError(f"invalid evictable local DRAM entry {key!r}")
-            freed = sum(
-                1 for name, _ in residency.slots if name.partition(":")[0] == pool
-            )
+            freed = 0
+            for name, _ in residency.slots:
+                freed += name.partition(":")[0] == pool
             if freed:
                 chosen.append((key, record, residency))
                 need -= freed
                 if need <= 0:
                     return chosen
-    return None
+        return None
+    finally:
+        for item in popped:
+            heappush(heap, item)
 
 
 # Off only in tests: every landed chunk then goes through kvcr's own
@@ -226,7 +261,8 @@ def commit_landed(
                 continue
             local._unscored.discard(key)
             if evictable.insert(key, score):
-                newly.update(label.partition(":")[0] for label in labels)
+                for label in labels:
+                    newly[label.partition(":")[0]] += 1
     finally:  # counted for every key made evictable, should one raise
         local._evictable_slots.update(newly)
     local._update_capacity_pressure()

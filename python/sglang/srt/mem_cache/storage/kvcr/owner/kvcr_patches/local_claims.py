@@ -6,7 +6,9 @@ that it builds a residency operation, registers it on every key's block record,
 takes it off them again, and queues the answer for ``poll_completed``. On a
 2-core VM that bookkeeping is most of the ~0.3 ms such a fetch of 47 keys takes
 on the owner thread, inside the scheduler's wait for a local hit. ``claim_all``
-takes the same claims with kvcr's own ``_acquire_claim`` and registers them as
+takes the same claims as kvcr's ``_acquire_claim`` takes them (claim count up,
+out of the eviction queue; the queue's per-pool slot counts are subtracted once
+for the whole fetch, not through a generator per key) and registers them as
 ``_new_public_claim`` does (the next release handle, the public-claims map),
 without the ``OpEntryResult`` and slot descriptors that method builds per key
 (two objects per page, most of what is left): it returns the handles and slot
@@ -21,7 +23,12 @@ DRAM) changes nothing and returns None: the caller fetches through kvcr.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
+
+from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_patches.batched_slots import (
+    unevictable,
+)
 
 # Off only in tests: every fetch then goes through kvcr.
 ENABLED = True
@@ -40,37 +47,45 @@ def claim_all(
     local = core._local_dram
     if not ENABLED or local is None or not keys:
         return None
-    wanted = list(layout)
-    if len(wanted) != 1:
+    if len(layout) != 1:
         return None  # a block of one slot (a residency's layout is its slots')
+    label = layout[0]
     ready = _LocalDramState.READY
     with core._state_lock:
-        records = core._block_record_map
+        record_of = core._block_record_map.get
         found = []
         for key in keys:
-            record = records.get(key)
+            record = record_of(key)
             residency = None if record is None else record.local_dram
+            # kvcr's ``residency.layout == [label]``, without building the list
             if (
                 residency is None
                 or residency.state is not ready
-                or residency.layout != wanted
+                or len(slots := residency.slots) != 1
+                or slots[0][0] != label
             ):
                 return None
             found.append((key, record, residency))
         if len(set(keys)) != len(keys):
             return None
-        clock, acquire, public = core._clock, local._acquire_claim, local._public_claims
-        handles, slots = [], []
-        handle = local._next_release_handle
-        for key, record, residency in found:
-            # kvcr's _record_access((key,)), then _new_public_claim, key by key.
-            record.access_count += 1
-            record.last_access = clock()
-            acquire(key, residency)
-            public[handle] = (key, residency)
-            handles.append(handle)
-            slots.append(residency.slots[0][1])
-            handle += 1
-            local._next_release_handle = handle
+        # Key by key, kvcr's _record_access((key,)), _acquire_claim (every key
+        # is READY: checked above) and _new_public_claim; the slot counts of
+        # _remove_evictable are subtracted once, after.
+        clock, public = core._clock, local._public_claims
+        first = handle = local._next_release_handle
+        taken: list[int] = []
+        freed: Counter[str] = Counter()
+        try:
+            for key, record, residency in found:
+                record.access_count += 1
+                record.last_access = clock()
+                unevictable(local, key, residency.slots, freed)
+                residency.claim_count += 1
+                public[handle] = (key, residency)
+                taken.append(residency.slots[0][1])
+                handle += 1
+                local._next_release_handle = handle
+        finally:  # what was taken stays counted, should one step raise
+            local._evictable_slots.subtract(freed)
         local._update_capacity_pressure()
-    return handles, slots
+    return list(range(first, handle)), taken

@@ -145,7 +145,10 @@ def install() -> None:
                 (local_dram._LocalDram, "_update_capacity_pressure"),
                 (local_dram._LocalDram, "_resume_capacity_waiters"),
                 (local_dram._LocalDram, "_remove_evictable"),
-                (local_dram._LocalDram, "_acquire_claim"),  # local_claims
+                (
+                    local_dram._LocalDram,
+                    "_acquire_claim",
+                ),  # local_claims does as it does
                 (local_dram._LocalDram, "_retry_unscored"),
                 (local_dram._LocalDram, "_free"),
                 (local_dram._LocalDram, "_size_bytes"),
@@ -179,12 +182,15 @@ def attach(kv: Any, copier: PageCopier) -> None:
         hasattr(core, "_g3")
         and hasattr(core._policy, "_policy")
         and batched_slots.builtin_policy(core)
-        # local_claims registers claims as _new_public_claim does
+        # local_claims registers claims as _new_public_claim does; victims are
+        # taken from kvcr's eviction queue as its candidates() takes them
         and (
             local is None
             or (
                 hasattr(local, "_next_release_handle")
                 and hasattr(local, "_public_claims")
+                and hasattr(local._evictable, "_heap")
+                and hasattr(local._evictable, "_live")
             )
         )
     ):
@@ -192,7 +198,8 @@ def attach(kv: Any, copier: PageCopier) -> None:
             "the linker reserves KVCR slots assuming kvcr's built-in FIFO or LRU "
             "policy with no disk tier (linker config eviction_policy 'lru' or "
             f"'fifo', no G3) and kvcr {KVCR_VERSION}'s core layout (_g3, "
-            f"_policy._policy, local DRAM claim handles); installed kvcr: "
+            f"_policy._policy, local DRAM claim handles, its eviction queue's "
+            f"heap); installed kvcr: "
             f"pip install kvcr=={KVCR_VERSION}"
         )
     _ATTACHED[core] = copier
