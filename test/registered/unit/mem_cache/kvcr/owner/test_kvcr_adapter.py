@@ -177,8 +177,10 @@ def test_every_kvcr_call_runs_on_the_owner_thread(buffers, monkeypatch):
         claim_all = local_claims.claim_all  # ... and one of them in one pass
 
         def spy_claim_all(*a, **k):
-            calls.append(("claim_all", threading.current_thread().name))
-            return claim_all(*a, **k)
+            out = claim_all(*a, **k)
+            if out is not None:  # claimed in one pass (not declined)
+                calls.append(("claim_all", threading.current_thread().name))
+            return out
 
         monkeypatch.setattr(local_claims, "claim_all", spy_claim_all)
         op = adapter.next_op_id()
@@ -812,8 +814,10 @@ def test_background_releases_let_a_queued_fetch_run_between_chunks(
             return real_release(handles)
 
         def claim_spy(*a, **k):
-            order.append("fetch")
-            return real_claim(*a, **k)
+            out = real_claim(*a, **k)
+            if out is not None:  # claimed in one pass
+                order.append("fetch")
+            return out
 
         kv.release = release
         monkeypatch.setattr(local_claims, "claim_all", claim_spy)

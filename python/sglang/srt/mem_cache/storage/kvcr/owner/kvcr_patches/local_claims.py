@@ -77,14 +77,15 @@ def claim_all(
         freed: Counter[str] = Counter()
         try:
             for key, record, residency in found:
+                now = clock()  # kvcr's order: the time, then the count
                 record.access_count += 1
-                record.last_access = clock()
+                record.last_access = now
                 unevictable(local, key, residency.slots, freed)
                 residency.claim_count += 1
+                local._next_release_handle = handle + 1  # then the claim, as kvcr
                 public[handle] = (key, residency)
                 taken.append(residency.slots[0][1])
                 handle += 1
-                local._next_release_handle = handle
         finally:  # what was taken stays counted, should one step raise
             local._evictable_slots.subtract(freed)
         local._update_capacity_pressure()

@@ -189,8 +189,8 @@ def attach(kv: Any, copier: PageCopier) -> None:
             or (
                 hasattr(local, "_next_release_handle")
                 and hasattr(local, "_public_claims")
-                and hasattr(local._evictable, "_heap")
-                and hasattr(local._evictable, "_live")
+                and hasattr(getattr(local, "_evictable", None), "_heap")
+                and hasattr(getattr(local, "_evictable", None), "_live")
             )
         )
     ):
