@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +49,8 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_MAX_TOTAL_TOKENS = 16384
 READY_PATH = "/health_generate"
 LEFTOVER_GRACE_S = 5.0
+# uvicorn's line when the HTTP port is taken (the server's processes stay up)
+BIND_FAILED = "error while attempting to bind on address"
 
 
 class ServerStartError(RuntimeError):
@@ -57,19 +60,37 @@ class ServerStartError(RuntimeError):
 # Ports handed out here lie below the kernel's ephemeral range (32768+ by
 # default): a port-0 bind there, and every outgoing connection of another server
 # (ZMQ, NIXL, HTTP clients), may take a port between our check and the server's
-# bind, as a fresh-clone run saw (control_port "Address already in use").
+# bind, as a fresh-clone run saw (control_port "Address already in use"). They
+# also lie below SGLang's own pick for a port a child binds later (its NCCL/gloo
+# port, ``get_free_port_below_ephemeral``: 22000-29999), which a server starting
+# beside ours could take before ours binds (a fresh-clone run saw an HTTP port
+# "already in use" with two workers starting). And no window is handed out twice
+# while its first taker may still be starting (``_HELD_S``): tests pick several
+# ports (events, control, HTTP) before any server binds one.
 _PORTS = random.Random()
-_LOW, _HIGH = 20000, 32000
+_LOW, _HIGH = 10000, 22000
 SPAN = 4  # a port and the next ones (control_port + attention rank) all free
+_HELD_S = 900.0
+_HANDED: dict[int, float] = {}  # first port of a window -> time.monotonic() handed
+_HANDED_LOCK = threading.Lock()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port (and the ``SPAN - 1`` after it) free a moment ago, outside the
-    ephemeral range so no other socket is given it meanwhile."""
-    for _ in range(200):
-        port = _PORTS.randrange(_LOW, _HIGH - SPAN)
-        if all(_bindable(host, p) for p in range(port, port + SPAN)):
-            return port
+    ephemeral range and SGLang's own range so no other socket is given it
+    meanwhile, overlapping no window this process handed out in the last
+    ``_HELD_S``."""
+    with _HANDED_LOCK:
+        now = time.monotonic()
+        for old in [p for p, t in _HANDED.items() if now - t > _HELD_S]:
+            del _HANDED[old]
+        for _ in range(200):
+            port = _PORTS.randrange(_LOW, _HIGH - SPAN)
+            if any(abs(port - p) < SPAN for p in _HANDED):
+                continue
+            if all(_bindable(host, p) for p in range(port, port + SPAN)):
+                _HANDED[port] = now
+                return port
     raise RuntimeError(f"no free TCP port in [{_LOW}, {_HIGH}) on {host}")
 
 
@@ -296,6 +317,14 @@ class ServerHandle:
             if rc is not None:
                 raise ServerStartError(
                     f"server exited with rc={rc} before becoming ready\n"
+                    f"command: {self.command}\n--- log tail ({self.log_path}) ---\n"
+                    f"{self.log_tail()}"
+                )
+            if BIND_FAILED in self.log_tail(200):
+                # uvicorn logs it and the processes stay up: fail now, not at
+                # the deadline.
+                raise ServerStartError(
+                    f"server could not bind its HTTP port {self.port}\n"
                     f"command: {self.command}\n--- log tail ({self.log_path}) ---\n"
                     f"{self.log_tail()}"
                 )

@@ -281,6 +281,48 @@ def test_free_port_is_bindable() -> None:
         s.bind(("127.0.0.1", port))
 
 
+def test_free_ports_stay_clear_of_sglang_own_picks(monkeypatch) -> None:
+    """No port window handed out falls in the range SGLang picks a child's port
+    from (``get_free_port_below_ephemeral``, which a server starting beside ours
+    may take before ours binds) or in the kernel's ephemeral range."""
+    import inspect
+
+    from sglang.srt.utils.network import get_free_port_below_ephemeral
+
+    from cpu_harness import server
+
+    monkeypatch.setattr(server, "_HANDED", {})
+    defaults = inspect.signature(get_free_port_below_ephemeral).parameters
+    low, high = defaults["low"].default, defaults["high"].default
+    for _ in range(200):
+        port = server.free_port()
+        span = range(port, port + server.SPAN)
+        assert not any(low <= p <= high for p in span), port
+        assert max(span) < 32768, port
+        server._HANDED.clear()  # draw from the whole range each time
+
+
+def test_a_port_window_is_not_handed_out_twice(monkeypatch) -> None:
+    """Ports a test picks before any server binds them (events, control, HTTP)
+    never share a window: a draw overlapping one handed out is drawn again."""
+    from cpu_harness import server
+
+    class Script:
+        def __init__(self, values):
+            self.values = iter(values)
+
+        def randrange(self, low, high):
+            return next(self.values)
+
+    monkeypatch.setattr(server, "_HANDED", {})
+    first = 15000
+    overlapping = [first + d for d in range(-server.SPAN + 1, server.SPAN)]
+    clear = first + server.SPAN
+    monkeypatch.setattr(server, "_PORTS", Script([first, *overlapping, clear]))
+    assert server.free_port() == first
+    assert server.free_port() == clear
+
+
 def test_server_env_appends_an_extra_pythonpath_after_the_harness(tmp_path):
     """A server's extra ``PYTHONPATH`` (the bench's null-linker server imports
     from ``test/``) comes right after the harness's own start-up directory (never
@@ -321,3 +363,36 @@ def test_gpu_shim_keeps_the_cute_dsl_dual_gemm_out_without_cutlass(
         assert result == {"mode": "None", "name": "_no_fused_mode"}, result
     else:
         assert result["name"] == "_select_mode", result
+
+
+def test_a_server_whose_http_port_is_taken_fails_at_once(tmp_path) -> None:
+    """uvicorn logs a taken HTTP port and SGLang's processes stay up; waiting
+    for readiness fails on that line, naming the port, not at the deadline."""
+    import subprocess
+    import time
+
+    from cpu_harness import server
+
+    log = tmp_path / "server.log"
+    log.write_text(
+        "[2026-12-07 09:53:31] ERROR:    [Errno 98] error while attempting to bind "
+        "on address ('127.0.0.1', 24815): address already in use\n"
+        "[2026-12-07 09:53:31] still starting\n"
+    )
+    process = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    handle = server.ServerHandle(
+        process=process,
+        port=server.free_port(),
+        host="127.0.0.1",
+        log_path=log,
+        command=["sleep", "60"],
+        started_at=time.monotonic(),
+    )
+    try:
+        started = time.monotonic()
+        with pytest.raises(server.ServerStartError, match="could not bind its HTTP"):
+            handle.wait_ready(timeout=60)
+        assert time.monotonic() - started < 10
+    finally:
+        process.kill()
+        process.wait(5)
