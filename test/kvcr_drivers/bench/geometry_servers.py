@@ -61,7 +61,8 @@ def wait_ready(server: Any, timeout_s: float) -> float:
         try:
             return float(server.wait_ready(step))
         except harness.ServerStartError:
-            if BIND_CLASH in server.log_text():
+            log = server.log_text()
+            if BIND_CLASH in log or harness.BIND_FAILED in log:  # never retried
                 raise PortClash(f"port {server.port} was taken") from None
             if server.process.poll() is not None:
                 raise

@@ -315,6 +315,7 @@ def test_a_port_window_is_not_handed_out_twice(monkeypatch) -> None:
             return next(self.values)
 
     monkeypatch.setattr(server, "_HANDED", {})
+    monkeypatch.setattr(server, "_bindable", lambda host, port: True)  # scripted
     first = 15000
     overlapping = [first + d for d in range(-server.SPAN + 1, server.SPAN)]
     clear = first + server.SPAN
