@@ -19,7 +19,6 @@ happens on a host shared with other runs; stopped when it does not come up.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -34,22 +33,9 @@ GIB = 1 << 30
 FAMILY_PAGE = kvcr_servers.PAGE  # what family_round_trip's checks count in
 BIND_CLASH = "address already in use"
 
-_given: set[int] = set()
-_given_lock = threading.Lock()
-
 
 class PortClash(RuntimeError):
     """Another process bound the server's port before the server did."""
-
-
-def fresh_port() -> int:
-    """A free port no other server of this process was given."""
-    with _given_lock:
-        while True:
-            port = harness.free_port()
-            if port not in _given:
-                _given.add(port)
-                return port
 
 
 def wait_ready(server: Any, timeout_s: float) -> float:
@@ -62,7 +48,8 @@ def wait_ready(server: Any, timeout_s: float) -> float:
             return float(server.wait_ready(step))
         except harness.ServerStartError:
             log = server.log_text()
-            if BIND_CLASH in log or harness.BIND_FAILED in log:  # never retried
+            # a failed bind: a new port, not another wait on this one
+            if BIND_CLASH in log or harness.BIND_FAILED in log:
                 raise PortClash(f"port {server.port} was taken") from None
             if server.process.poll() is not None:
                 raise
@@ -122,7 +109,7 @@ def launch(
     """A ``kind`` server with the KVCR linker, started without waiting."""
     root = harness.cache_dir() / "gpu_check_models"
     model = geometry_models.ensure_geometry_model(kind, scale, root)
-    control_port = fresh_port()
+    control_port = harness.free_port()
     config = {
         **kvcr_linker_config(dram_bytes(device, scale), 10000, linker_config or {}),
         "control_port": control_port,
@@ -146,7 +133,7 @@ def launch(
     handle = harness.launch_server(
         args,
         model_path=model,
-        port=fresh_port(),
+        port=harness.free_port(),
         log_path=work / f"{kind}.log",
         env=env,
         wait=False,

@@ -145,10 +145,8 @@ def install() -> None:
                 (local_dram._LocalDram, "_update_capacity_pressure"),
                 (local_dram._LocalDram, "_resume_capacity_waiters"),
                 (local_dram._LocalDram, "_remove_evictable"),
-                (
-                    local_dram._LocalDram,
-                    "_acquire_claim",
-                ),  # local_claims does as it does
+                # local_claims takes claims as this method does
+                (local_dram._LocalDram, "_acquire_claim"),
                 (local_dram._LocalDram, "_retry_unscored"),
                 (local_dram._LocalDram, "_free"),
                 (local_dram._LocalDram, "_size_bytes"),
@@ -178,6 +176,7 @@ def attach(kv: Any, copier: PageCopier) -> None:
     install()
     core = kv._core
     local = core._local_dram
+    queue = getattr(local, "_evictable", None)
     if not (
         hasattr(core, "_g3")
         and hasattr(core._policy, "_policy")
@@ -189,8 +188,8 @@ def attach(kv: Any, copier: PageCopier) -> None:
             or (
                 hasattr(local, "_next_release_handle")
                 and hasattr(local, "_public_claims")
-                and hasattr(getattr(local, "_evictable", None), "_heap")
-                and hasattr(getattr(local, "_evictable", None), "_live")
+                and hasattr(queue, "_heap")
+                and hasattr(queue, "_live")
             )
         )
     ):
