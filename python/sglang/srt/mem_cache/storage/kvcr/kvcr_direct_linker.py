@@ -43,6 +43,7 @@ from sglang.srt.mem_cache.storage.kvcr.observability.linker_stats import (
     StatsReport,
     snapshot,
 )
+from sglang.srt.mem_cache.storage.kvcr.owner.idle_freeze import IdleFreezer
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import (
     InventoryChange,
     OpDone,
@@ -119,6 +120,7 @@ class KVCRDirectLinker(
             self._local_wait_s = cfg.local_hit_wait_ms / 1000.0  # this step's
             self._lookups_reduced = True  # until bound: every restorable length
             self._idle_wait_s = cfg.idle_offload_wait_us / 1e6
+            self.freezer = IdleFreezer(cfg.gc_freeze_pages, self.stats)
             # Claims of waiting requests: max_claimed_bytes (0: half the share).
             self.preparations = Preparations(
                 self.stats,
@@ -137,11 +139,7 @@ class KVCRDirectLinker(
                 idle_delay_s=cfg.idle_offload_delay_us / 1e6,
             )
             self.session = session = KVCRSession.for_rank(
-                cfg,
-                self.placement,
-                self.layout,
-                self.dram,
-                res.copier,
+                cfg, self.placement, self.layout, self.dram, res.copier
             )
             session.log_up(self.placement, self.layout)
             self.restorer = Restorer(  # last: it stops its own threads if it fails
@@ -258,8 +256,10 @@ class KVCRDirectLinker(
         return held > bound
 
     def scheduler_idle(self, sleeps: bool = False) -> None:
-        """Fully idle: let deposits in flight end now (``Offloader.settle``)."""
+        """Fully idle: let deposits in flight end now (``Offloader.settle``),
+        then maybe freeze the heap (``LinkerLifecycle.freeze_when_quiet``)."""
         self.offloader.settle(self._route, self._idle_wait_s, immediate=sleeps)
+        self.freeze_when_quiet()
 
     def batch_result_started(self) -> None:
         """A batch's result is being processed (its offloads wait for it)."""

@@ -42,8 +42,10 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.storage.kvcr.datapath.restore import Restorer
     from sglang.srt.mem_cache.storage.kvcr.layout.page_layout import PageLayout
     from sglang.srt.mem_cache.storage.kvcr.observability.linker_stats import (
+        LinkerStats,
         StatsReport,
     )
+    from sglang.srt.mem_cache.storage.kvcr.owner.idle_freeze import IdleFreezer
     from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_adapter import KVCRAdapter
     from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_session import KVCRSession
     from sglang.srt.mem_cache.storage.kvcr.owner.quarantine import KVCRDram
@@ -70,6 +72,8 @@ class LinkerLifecycle:
     dram: KVCRDram
     report: StatsReport
     recovery: Recovery
+    freezer: IdleFreezer
+    stats: LinkerStats
 
     @property
     def _adapter(self) -> KVCRAdapter:
@@ -97,6 +101,18 @@ class LinkerLifecycle:
         """Whether new weights are served but KVCR is not re-keyed for them yet."""
         return self.weights.pending
 
+    # ---- the heap between requests ----------------------------------------------
+
+    def freeze_when_quiet(self) -> None:
+        """On a fully idle pass with nothing in flight (no deposit, no
+        preparation), once enough pages came, collect and freeze the heap
+        (``IdleFreezer``): full collections then skip KVCR's page objects."""
+        pages = self.stats.offload_pages + self.stats.prepared_pages
+        if not self.freezer.due(pages) or not self.offloader.queue.idle:
+            return
+        if self.preparations.quiet:
+            self.freezer.maybe_freeze(pages)
+
     # ---- flush and close -----------------------------------------------------------
 
     def reset(self) -> None:
@@ -120,6 +136,8 @@ class LinkerLifecycle:
             if not self.recovery.down:
                 self._go_down(f"no KVCR after the flush: {exc!r}")
             return
+        finally:
+            self.freezer.thaw()  # the old core's objects: collectable again
         if self.recovery.down:
             self.recovery.came_up(restarted=False)
             logger.info(
@@ -143,6 +161,7 @@ class LinkerLifecycle:
         if quiet:
             self.restorer.close_span()
         self.dram.close(quiet, self.offloader.staging_buffers())
+        self.freezer.thaw()
 
     def is_quiescent(self) -> bool:
         """Nothing in flight: no claims held, no restore batch, no offload."""
@@ -220,6 +239,7 @@ class LinkerLifecycle:
         self.preparations.reset()
         self.replicas.reset()
         self.residency.drop_all()  # every rank clears their stored marks
+        self.freezer.thaw()  # the dead core's objects: collectable again
         try:
             self.session.restart(self.layout, self.config.owner_wait_timeout_s)
         except Exception as exc:

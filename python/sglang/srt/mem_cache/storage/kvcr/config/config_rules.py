@@ -36,6 +36,7 @@ INT_RANGES: dict[str, tuple[int, int | None]] = {  # (minimum, maximum), in orde
     "offload_hold_batches": (0, 8),
     "idle_offload_wait_us": (0, 20000),
     "idle_offload_delay_us": (0, 20000),
+    "gc_freeze_pages": (0, 1 << 30),
     "max_inflight_offload_bytes": (1, None),
     "max_inflight_prepare_bytes": (1, None),
     "max_abandoned_bytes": (1, None),

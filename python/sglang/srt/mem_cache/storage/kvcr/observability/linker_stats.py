@@ -111,6 +111,12 @@ class LinkerStats:
     idle_offload_waits: int = 0
     idle_offload_wait_ms_total: float = 0.0
     evicted_pages: int = 0
+    # Idle passes that collected and froze the heap (owner.idle_freeze), the
+    # garbage their collections found and the time they took.
+    gc_freezes: int = 0
+    gc_collected: int = 0
+    gc_freeze_ms_total: float = 0.0
+    gc_freeze_ms_max: float = 0.0
     refused_weights_changed: int = 0  # lookups between a weight update and flush
     samples: Samples = dataclasses.field(default_factory=Samples)
 
@@ -222,6 +228,10 @@ def snapshot(
         "prepare_skipped": s.prepare_skipped,
         "idle_offload_waits": s.idle_offload_waits,
         "idle_offload_wait_ms_total": round(s.idle_offload_wait_ms_total, 3),
+        "gc_freezes": s.gc_freezes,
+        "gc_collected": s.gc_collected,
+        "gc_freeze_ms_total": round(s.gc_freeze_ms_total, 3),
+        "gc_freeze_ms_max": round(s.gc_freeze_ms_max, 3),
         "refused_offload": adapter.refused_offload,
         "refused_prepare": adapter.refused_prepare,
         "inflight_offload_bytes": adapter.inflight_offload_bytes,

@@ -98,6 +98,11 @@ class Preparations:
     def get(self, rid: str) -> Preparation | None:
         return self._preps.get(rid)
 
+    @property
+    def quiet(self) -> bool:
+        """No preparation alive and no fetch of one (even dropped) in flight."""
+        return not (self._preps or self._owners or self._abandoned)
+
     def begin(
         self,
         ctx: LinkerRequestContext,
