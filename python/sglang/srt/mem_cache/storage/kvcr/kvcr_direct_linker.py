@@ -255,11 +255,11 @@ class KVCRDirectLinker(
         bound = max(self.dram.gauges().dram_bytes // 4, self.config.max_abandoned_bytes)
         return held > bound
 
-    def scheduler_idle(self, sleeps: bool = False) -> None:
+    def scheduler_idle(self, sleeps: bool = False, sessions_open: bool = False) -> None:
         """Fully idle: let deposits in flight end now (``Offloader.settle``),
         then maybe freeze the heap (``LinkerLifecycle.freeze_when_quiet``)."""
         self.offloader.settle(self._route, self._idle_wait_s, immediate=sleeps)
-        self.freeze_when_quiet()
+        self.freeze_when_quiet(sessions_open)
 
     def batch_result_started(self) -> None:
         """A batch's result is being processed (its offloads wait for it)."""

@@ -103,14 +103,15 @@ class LinkerLifecycle:
 
     # ---- the heap between requests ----------------------------------------------
 
-    def freeze_when_quiet(self) -> None:
+    def freeze_when_quiet(self, sessions_open: bool = False) -> None:
         """On a fully idle pass with nothing in flight (no deposit, no
-        preparation), once enough pages came, collect and freeze the heap
-        (``IdleFreezer``): full collections then skip KVCR's page objects."""
+        preparation, no SGLang session open), once enough pages came, collect
+        and freeze the heap (``IdleFreezer``): full collections then skip
+        KVCR's page objects."""
         pages = self.stats.offload_pages + self.stats.prepared_pages
-        if not self.freezer.due(pages) or not self.offloader.queue.idle:
+        if not self.freezer.due(pages) or sessions_open:
             return
-        if self.preparations.quiet:
+        if self.offloader.queue.idle and self.preparations.quiet:
             self.freezer.maybe_freeze(pages)
 
     # ---- flush and close -----------------------------------------------------------
@@ -145,23 +146,25 @@ class LinkerLifecycle:
             )
 
     def close(self) -> None:
-        timeout = self.config.owner_wait_timeout_s
-        stopped, claims = self.restorer.quiesce(timeout)
-        stopped = self.restorer.close(timeout) and stopped
-        stopped = self.offloader.close(timeout) and stopped
-        self._release_all(claims)
-        self.report.tick(force=True)
         try:
-            quiet = self._adapter.close() and stopped
-        except Exception as exc:  # failed or stuck: its DRAM may not be idle
-            logger.error("KVCR close at shutdown was not clean: %s", exc)
-            quiet = False
-        # After KVCR: its deposits' copy ops wait for their copies while closing.
-        quiet = self.copier.close(timeout) and quiet
-        if quiet:
-            self.restorer.close_span()
-        self.dram.close(quiet, self.offloader.staging_buffers())
-        self.freezer.thaw()
+            timeout = self.config.owner_wait_timeout_s
+            stopped, claims = self.restorer.quiesce(timeout)
+            stopped = self.restorer.close(timeout) and stopped
+            stopped = self.offloader.close(timeout) and stopped
+            self._release_all(claims)
+            self.report.tick(force=True)
+            try:
+                quiet = self._adapter.close() and stopped
+            except Exception as exc:  # failed or stuck: its DRAM may not be idle
+                logger.error("KVCR close at shutdown was not clean: %s", exc)
+                quiet = False
+            # After KVCR: its deposits' copy ops wait for their copies while closing.
+            quiet = self.copier.close(timeout) and quiet
+            if quiet:
+                self.restorer.close_span()
+            self.dram.close(quiet, self.offloader.staging_buffers())
+        finally:
+            self.freezer.thaw()  # whatever raised: nothing stays frozen by us
 
     def is_quiescent(self) -> bool:
         """Nothing in flight: no claims held, no restore batch, no offload."""

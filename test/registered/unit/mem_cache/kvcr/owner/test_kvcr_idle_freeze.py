@@ -3,7 +3,8 @@ pages came, garbage is collected and the survivors frozen, so Python's full
 collections stop walking KVCR's per-page objects.
 
 Over a real kvcr + NIXL on CPU tensors: nothing is frozen before the page
-count is reached or while a preparation is alive; garbage cycles made before the
+count is reached, while a preparation is alive, while a deposit is in flight
+or while SGLang holds an open session; garbage cycles made before the
 freeze are collected, never frozen; an evicted page's objects leave the frozen
 heap (kvcr's page objects hold no cycles, so reference counting still frees
 them); close gives every frozen object back to the collector.
@@ -17,6 +18,7 @@ import weakref
 
 import pytest
 
+from cpu_harness import kvcr_stack
 from cpu_harness.kvcr_pages import (
     fill_random,
     hashes_for,
@@ -60,9 +62,13 @@ def test_freezer_collects_then_freezes_only_when_due(thawed):
     freezer = IdleFreezer(100, stats)
     assert not freezer.maybe_freeze(99)
     assert gc.get_freeze_count() == 0 and stats.gc_freezes == 0
-    dead, live = _garbage_cycle(), _Cycle()
-    assert dead() is not None  # not collected yet: only a collection frees it
-    assert freezer.maybe_freeze(100)
+    gc.disable()  # no automatic collection between the cycle and the freeze
+    try:
+        dead, live = _garbage_cycle(), _Cycle()
+        assert dead() is not None  # not collected yet: only a collection frees it
+        assert freezer.maybe_freeze(100)
+    finally:
+        gc.enable()
     assert dead() is None  # collected before the freeze, not frozen with it
     assert gc.get_freeze_count() > 0  # ``live`` among the survivors frozen
     assert stats.gc_freezes == 1 and stats.gc_collected >= 1
@@ -104,6 +110,13 @@ def test_idle_pass_freezes_when_quiet_and_flush_and_close_thaw(thawed):
         assert lk.stats.gc_freezes == 0 and gc.get_freeze_count() == 0
         wait_until(lambda: lk.preparation_ready(handle), what="preparation")
         lk.release_request("held")
+        wait_until(
+            lambda: (lk.scheduler_idle(sessions_open=True), lk.preparations.quiet)[1],
+            what="quiet",
+        )
+        for _ in range(5):  # quiet, but an SGLang session is open
+            lk.scheduler_idle(sessions_open=True)
+        assert lk.stats.gc_freezes == 0 and gc.get_freeze_count() == 0
         dead = _garbage_cycle()
         _idle_until_frozen(lk, 1)
         assert dead() is None
@@ -144,6 +157,33 @@ def test_no_freeze_while_a_deposit_is_in_flight(thawed, monkeypatch):
         _idle_until_frozen(lk, 1)
     finally:
         release.set()
+        lk.close()
+
+
+def test_a_kvcr_restart_thaws(thawed):
+    """A KVCR that failed and restarts gives the frozen heap back (the dead
+    core's objects may hold cycles); the next quiet idle pass freezes again."""
+    pool = make_pool()
+    fill_random(pool, range(1, 3), seed=6)
+    lk = make_linker(pool, gc_freeze_pages=2)
+    try:
+        assert offload_and_commit(lk, hashes_for(2, "restart"), [1, 2]) is True
+        _idle_until_frozen(lk, 1)
+        assert gc.get_freeze_count() > 0
+        stalled = kvcr_stack.kvcr_stall_error(timeout_ms=5000, gap_s=5.0)
+        lk._adapter.call(lambda kv: kv._core._resilience_errors.append(stalled))
+        wait_until(
+            lambda: (lk.lookup("x", kv_transfer([])), lk.kvcr_down)[1],
+            what="linker down",
+        )
+        lk.recovery.next_attempt = 0.0  # the restart is due now
+        wait_until(
+            lambda: (lk.num_completed_offloads(), not lk.kvcr_down)[1],
+            what="KVCR restarted",
+        )
+        assert gc.get_freeze_count() == 0
+        _idle_until_frozen(lk, 2)  # due at once after the thaw
+    finally:
         lk.close()
 
 

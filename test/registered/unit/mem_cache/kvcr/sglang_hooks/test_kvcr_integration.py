@@ -526,8 +526,10 @@ def test_an_idle_pass_asks_a_preparing_linker_first_and_only_when_fully_idle():
     class Preparing(PreparationHooks):
         prepares_requests = True
 
-        def scheduler_idle(self, sleeps: bool = False) -> None:
-            calls.append(f"linker sleeps={sleeps}")
+        def scheduler_idle(
+            self, sleeps: bool = False, sessions_open: bool = False
+        ) -> None:
+            calls.append(f"linker sleeps={sleeps}" + " sessions" * sessions_open)
 
     def sglang_on_idle(sched: Any) -> str:
         calls.append("sglang")
@@ -550,9 +552,27 @@ def test_an_idle_pass_asks_a_preparing_linker_first_and_only_when_fully_idle():
             is_fully_idle=lambda v=fully_idle: v,
             idle_sleeper=sleeper,
             server_args=args,
+            session_controller=SimpleNamespace(sessions={}),
         )
         got = integration._around_on_idle(sglang_on_idle, scheduler)
         assert (got, calls) == ("idle", want)
+    # SGLang's open sessions are passed on (the linker then freezes nothing);
+    # a scheduler without a session controller counts as having some.
+    for controller, want in (
+        ({"session_controller": SimpleNamespace(sessions={})}, ""),
+        ({"session_controller": SimpleNamespace(sessions={"s": 1})}, " sessions"),
+        ({}, " sessions"),
+    ):
+        calls.clear()
+        scheduler = _scheduler_of(
+            Preparing(),
+            is_fully_idle=lambda: True,
+            idle_sleeper=None,
+            server_args=awake,
+            **controller,
+        )
+        integration._around_on_idle(sglang_on_idle, scheduler)
+        assert calls == ["linker sleeps=False" + want, "sglang"]
 
 
 def test_a_batch_result_is_bracketed_for_a_preparing_linker_even_when_it_raises():

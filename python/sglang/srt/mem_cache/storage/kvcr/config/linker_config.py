@@ -151,12 +151,11 @@ class KVCRLinkerConfig:
         default=1024,
         metadata=_doc(
             "On a fully idle scheduler pass (nothing waiting or running, no "
-            "deposit or preparation in flight), once this many pages were "
-            "offloaded or prepared since the last time, collect garbage and then "
-            "freeze the survivors (gc.freeze, as SGLang does after warmup), so "
-            "Python's full collections stop walking KVCR's per-page objects: at "
-            "65,536 resident pages they stopped the scheduler for 23-111 ms each. "
-            "The pass costs about what those pages added. 0: never."
+            "deposit or preparation in flight, no SGLang session open), once this "
+            "many pages were offloaded or prepared since the last time, collect "
+            "garbage and then freeze the survivors (gc.freeze), so Python's full "
+            "collections stop walking KVCR's per-page objects (docs: Limitations). "
+            "0: never."
         ),
     )
     prepare_chunk_pages: int = dataclasses.field(

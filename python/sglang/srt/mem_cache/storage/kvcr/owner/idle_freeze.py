@@ -9,11 +9,12 @@ stop of the scheduler, each time a quarter more objects have survived.
 warmup does, but only where that leaks nothing: on a fully idle scheduler pass
 (no request waiting or running, no deposit or preparation in flight), once at
 least ``gc_freeze_pages`` pages have been offloaded or prepared since the last
-freeze, it runs one full collection (which walks only what was not frozen, so
-it costs about what those pages added) and then ``gc.freeze()``. Garbage cycles
-are collected before they could be frozen; the objects frozen are the server's
-own long-lived state, and kvcr's page objects form no cycles, so an evicted
-page's objects are still freed by reference counting while frozen. Under load
+freeze, it runs one full collection (which walks only what was not frozen: about
+what those pages added, the whole heap after a thaw) and then ``gc.freeze()``. Garbage cycles
+are collected before they could be frozen, and nothing is frozen while SGLang
+holds open sessions (their requests and turn nodes point at each other, so a
+closed session is cyclic garbage). kvcr's page objects form no cycles, so an
+evicted page's objects are still freed by reference counting while frozen. Under load
 with no idle pass nothing is frozen and full collections are what they were.
 A flush, a KVCR restart and close ``thaw`` it all back: the old core's objects
 may hold cycles that only a collection frees.
@@ -29,6 +30,10 @@ from sglang.srt.mem_cache.storage.kvcr.observability.linker_stats import LinkerS
 
 logger = logging.getLogger(__name__)
 
+# Whether a freezer of this process froze since the last thaw (gc.freeze and
+# gc.unfreeze act on the whole process, whichever linker calls them).
+_FROZEN = [False]
+
 
 class IdleFreezer:
     """``maybe_freeze(pages_seen)`` on each fully idle, quiet scheduler pass."""
@@ -38,7 +43,6 @@ class IdleFreezer:
     def __init__(self, every_pages: int, stats: LinkerStats) -> None:
         self.every_pages = every_pages  # 0: never freeze
         self._mark = 0  # pages_seen at the last freeze
-        self._frozen = False  # froze since the last thaw
         self.stats = stats  # gc_freezes, gc_collected, gc_freeze_ms_*
 
     def due(self, pages_seen: int) -> bool:
@@ -48,13 +52,15 @@ class IdleFreezer:
     def thaw(self) -> None:
         """Give every frozen object back to the collector, after a flush, a KVCR
         restart or at close: the old core's objects may hold cycles (threads,
-        callbacks) that only a collection frees, and with them its memory. The
-        next quiet idle pass freezes again (its collection then walks the
-        whole heap once, as SGLang's warmup freeze did)."""
-        if not self._frozen:
+        callbacks) that only a collection frees, and with them its memory.
+        SGLang's warmup-frozen objects go back too, so the next full collection
+        walks the whole heap (0.6 s with 1.2 million objects), and so does the
+        next quiet idle pass's, which freezes again. Nothing if no freezer of
+        this process froze since the last thaw."""
+        if not _FROZEN[0]:
             return
         gc.unfreeze()
-        self._frozen = False
+        _FROZEN[0] = False
         self._mark = -self.every_pages  # due at the next quiet idle pass
 
     def maybe_freeze(self, pages_seen: int) -> bool:
@@ -66,7 +72,7 @@ class IdleFreezer:
         gc.freeze()  # O(1); gc.get_freeze_count() would walk every frozen object
         elapsed_ms = (time.perf_counter() - start) * 1e3
         since, self._mark = pages_seen - self._mark, pages_seen
-        self._frozen = True
+        _FROZEN[0] = True
         s = self.stats
         s.gc_freezes += 1
         s.gc_collected += collected

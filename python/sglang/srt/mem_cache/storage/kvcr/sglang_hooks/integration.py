@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from sglang.srt.environ import envs
 
 from sglang.srt.mem_cache.storage.kvcr.config.errors import KVCRUnavailableError
 from sglang.srt.mem_cache.storage.kvcr.config.startup_checks import TREE_CORE_ENV
@@ -396,19 +397,18 @@ def _around_commit_completed_offloads(
 def _around_on_idle(
     original: Callable[..., Any], scheduler: Any, *args: Any, **kw: Any
 ) -> Any:
-    """No batch this pass. Fully idle (nothing waiting in any queue), a
-    preparing linker may first block briefly for its own background work
-    (``scheduler_idle``): before SGLang's idle work and its ``--sleep-on-idle``
-    poll, which returns with a request already there to serve."""
+    """No batch this pass. Fully idle (nothing waiting), a preparing linker may
+    first block briefly for its own work (``scheduler_idle``), told whether the
+    idle poll then blocks (``--sleep-on-idle``, Rust server: up to 1 s) and whether
+    sessions are open (cyclic garbage once closed; unknown counts as open)."""
     backend = preparing_linker_of(getattr(scheduler, "tree_cache", None))
     if backend is not None and scheduler.is_fully_idle():
-        from sglang.srt.environ import envs
-
-        # Whether the idle loop blocks for requests (up to 1 s, on the first rank;
-        # the others wait for it): --sleep-on-idle or the Rust server.
         sargs = getattr(scheduler, "server_args", None)
         sleeps = getattr(sargs, "sleep_on_idle", False) or envs.SGLANG_RUST_SERVER.get()
-        linker_hook(backend, "scheduler_idle")(sleeps=bool(sleeps))
+        ctl = getattr(scheduler, "session_controller", None)
+        linker_hook(backend, "scheduler_idle")(
+            sleeps=bool(sleeps), sessions_open=bool(getattr(ctl, "sessions", True))
+        )
     return original(scheduler, *args, **kw)
 
 
