@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from sglang.srt.mem_cache.hicache_storage import PoolTransfer
@@ -255,11 +256,12 @@ class KVCRDirectLinker(
         bound = max(self.dram.gauges().dram_bytes // 4, self.config.max_abandoned_bytes)
         return held > bound
 
-    def scheduler_idle(self, sleeps: bool = False, sessions_open: bool = False) -> None:
-        """Fully idle: let deposits in flight end now (``Offloader.settle``),
-        then maybe freeze the heap (``LinkerLifecycle.freeze_when_quiet``)."""
+    def scheduler_idle(
+        self, sleeps: bool = False, holds_sessions: Callable[[], bool] | None = None
+    ) -> None:
+        """Fully idle: deposits in flight end now, then maybe a heap freeze."""
         self.offloader.settle(self._route, self._idle_wait_s, immediate=sleeps)
-        self.freeze_when_quiet(sessions_open)
+        self.freeze_when_quiet(holds_sessions)
 
     def batch_result_started(self) -> None:
         """A batch's result is being processed (its offloads wait for it)."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sglang.srt.mem_cache.storage.kvcr.owner.kvcr_commands import ClaimId
@@ -103,15 +104,17 @@ class LinkerLifecycle:
 
     # ---- the heap between requests ----------------------------------------------
 
-    def freeze_when_quiet(self, sessions_open: bool = False) -> None:
+    def freeze_when_quiet(self, holds_sessions: Callable[[], bool] | None) -> None:
         """On a fully idle pass with nothing in flight (no deposit, no
-        preparation, no SGLang session open), once enough pages came, collect
-        and freeze the heap (``IdleFreezer``): full collections then skip
-        KVCR's page objects."""
+        preparation, no request of an SGLang session held), once enough pages
+        came, collect and freeze the heap (``IdleFreezer``): full collections
+        then skip KVCR's page objects. ``holds_sessions`` is asked last."""
         pages = self.stats.offload_pages + self.stats.prepared_pages
-        if not self.freezer.due(pages) or sessions_open:
+        if not self.freezer.due(pages) or not self.offloader.queue.idle:
             return
-        if self.offloader.queue.idle and self.preparations.quiet:
+        if not self.preparations.quiet:
+            return
+        if holds_sessions is None or not holds_sessions():
             self.freezer.maybe_freeze(pages)
 
     # ---- flush and close -----------------------------------------------------------

@@ -111,11 +111,14 @@ def test_idle_pass_freezes_when_quiet_and_flush_and_close_thaw(thawed):
         wait_until(lambda: lk.preparation_ready(handle), what="preparation")
         lk.release_request("held")
         wait_until(
-            lambda: (lk.scheduler_idle(sessions_open=True), lk.preparations.quiet)[1],
+            lambda: (
+                lk.scheduler_idle(holds_sessions=lambda: True),
+                lk.preparations.quiet,
+            )[1],
             what="quiet",
         )
-        for _ in range(5):  # quiet, but an SGLang session is open
-            lk.scheduler_idle(sessions_open=True)
+        for _ in range(5):  # quiet, but SGLang holds a session's requests
+            lk.scheduler_idle(holds_sessions=lambda: True)
         assert lk.stats.gc_freezes == 0 and gc.get_freeze_count() == 0
         dead = _garbage_cycle()
         _idle_until_frozen(lk, 1)

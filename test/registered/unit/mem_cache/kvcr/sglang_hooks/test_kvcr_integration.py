@@ -526,10 +526,9 @@ def test_an_idle_pass_asks_a_preparing_linker_first_and_only_when_fully_idle():
     class Preparing(PreparationHooks):
         prepares_requests = True
 
-        def scheduler_idle(
-            self, sleeps: bool = False, sessions_open: bool = False
-        ) -> None:
-            calls.append(f"linker sleeps={sleeps}" + " sessions" * sessions_open)
+        def scheduler_idle(self, sleeps: bool = False, holds_sessions=None) -> None:
+            held = holds_sessions is not None and holds_sessions()
+            calls.append(f"linker sleeps={sleeps}" + " sessions" * held)
 
     def sglang_on_idle(sched: Any) -> str:
         calls.append("sglang")
@@ -556,12 +555,43 @@ def test_an_idle_pass_asks_a_preparing_linker_first_and_only_when_fully_idle():
         )
         got = integration._around_on_idle(sglang_on_idle, scheduler)
         assert (got, calls) == ("idle", want)
-    # SGLang's open sessions are passed on (the linker then freezes nothing);
-    # a scheduler without a session controller counts as having some.
-    for controller, want in (
-        ({"session_controller": SimpleNamespace(sessions={})}, ""),
-        ({"session_controller": SimpleNamespace(sessions={"s": 1})}, " sessions"),
-        ({}, " sessions"),
+    # Whether SGLang holds a session's requests is passed on (the linker then
+    # freezes nothing): open sessions, or the overlap loop's pinned batches
+    # (``batch_record_buf``: a batch and its field snapshot) holding one.
+    from sglang.srt.session.session_controller import SessionController
+
+    def controller(*open_ids: str) -> SessionController:
+        ctl = SessionController(None)  # SGLang's own: its ``sessions`` dict
+        ctl.sessions.update({rid: object() for rid in open_ids})
+        return ctl
+
+    plain, in_session = SimpleNamespace(session=None), SimpleNamespace(session=1)
+    batch = SimpleNamespace(reqs=[plain])
+    for attrs, want in (
+        ({"session_controller": controller()}, ""),
+        ({"session_controller": controller("s")}, " sessions"),
+        ({}, " sessions"),  # no controller: unknown counts as held
+        (
+            {
+                "session_controller": controller(),
+                "batch_record_buf": [[batch, [3, [plain]]], None],
+            },
+            "",
+        ),
+        (
+            {
+                "session_controller": controller(),
+                "batch_record_buf": [None, [batch, [3, [plain, in_session]]]],
+            },
+            " sessions",
+        ),
+        (
+            {
+                "session_controller": controller(),
+                "batch_record_buf": [[SimpleNamespace(reqs=[in_session]), []], None],
+            },
+            " sessions",
+        ),
     ):
         calls.clear()
         scheduler = _scheduler_of(
@@ -569,7 +599,7 @@ def test_an_idle_pass_asks_a_preparing_linker_first_and_only_when_fully_idle():
             is_fully_idle=lambda: True,
             idle_sleeper=None,
             server_args=awake,
-            **controller,
+            **attrs,
         )
         integration._around_on_idle(sglang_on_idle, scheduler)
         assert calls == ["linker sleeps=False" + want, "sglang"]

@@ -151,11 +151,11 @@ class KVCRLinkerConfig:
         default=1024,
         metadata=_doc(
             "On a fully idle scheduler pass (nothing waiting or running, no "
-            "deposit or preparation in flight, no SGLang session open), once this "
-            "many pages were offloaded or prepared since the last time, collect "
-            "garbage and then freeze the survivors (gc.freeze), so Python's full "
-            "collections stop walking KVCR's per-page objects (docs: Limitations). "
-            "0: never."
+            "deposit or preparation in flight, no request of an SGLang session "
+            "held), once this many pages were offloaded or prepared since the "
+            "last time, collect garbage and then freeze the survivors (gc.freeze), "
+            "so Python's full collections stop walking KVCR's per-page objects "
+            "(docs: Limitations). 0: never."
         ),
     )
     prepare_chunk_pages: int = dataclasses.field(

@@ -12,8 +12,8 @@ least ``gc_freeze_pages`` pages have been offloaded or prepared since the last
 freeze, it runs one full collection (which walks only what was not frozen: about
 what those pages added, the whole heap after a thaw) and then ``gc.freeze()``. Garbage cycles
 are collected before they could be frozen, and nothing is frozen while SGLang
-holds open sessions (their requests and turn nodes point at each other, so a
-closed session is cyclic garbage). kvcr's page objects form no cycles, so an
+holds requests of a session (``sglang_hooks.session_pins``: a closed session
+is cyclic garbage). kvcr's page objects form no cycles, so an
 evicted page's objects are still freed by reference counting while frozen. Under load
 with no idle pass nothing is frozen and full collections are what they were.
 A flush, a KVCR restart and close ``thaw`` it all back: the old core's objects

@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.linker_hooks import (
     merge_held,
     preparing_linker_of,
 )
+from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.session_pins import holds_sessions
 from sglang.srt.mem_cache.storage.kvcr.sglang_hooks.weight_updates import (
     WEIGHT_TARGETS,
     around_weight_update,
@@ -399,15 +400,14 @@ def _around_on_idle(
 ) -> Any:
     """No batch this pass. Fully idle (nothing waiting), a preparing linker may
     first block briefly for its own work (``scheduler_idle``), told whether the
-    idle poll then blocks (``--sleep-on-idle``, Rust server: up to 1 s) and whether
-    sessions are open (cyclic garbage once closed; unknown counts as open)."""
+    idle poll then blocks (``--sleep-on-idle``, Rust server: up to 1 s) and how to
+    ask whether SGLang holds session requests (``session_pins``)."""
     backend = preparing_linker_of(getattr(scheduler, "tree_cache", None))
     if backend is not None and scheduler.is_fully_idle():
         sargs = getattr(scheduler, "server_args", None)
         sleeps = getattr(sargs, "sleep_on_idle", False) or envs.SGLANG_RUST_SERVER.get()
-        ctl = getattr(scheduler, "session_controller", None)
         linker_hook(backend, "scheduler_idle")(
-            sleeps=bool(sleeps), sessions_open=bool(getattr(ctl, "sessions", True))
+            sleeps=bool(sleeps), holds_sessions=lambda: holds_sessions(scheduler)
         )
     return original(scheduler, *args, **kw)
 

@@ -16,6 +16,7 @@ integration reads every hook with ``getattr`` and these defaults.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 
@@ -81,14 +82,17 @@ class PreparationHooks:
         """Page hashes whose external copy was evicted since the last call."""
         return []
 
-    def scheduler_idle(self, sleeps: bool = False, sessions_open: bool = False) -> None:
+    def scheduler_idle(
+        self, sleeps: bool = False, holds_sessions: Callable[[], bool] | None = None
+    ) -> None:
         """The scheduler is fully idle (no batch, nothing waiting), before
         SGLang's idle work: the linker may block here briefly, bounded, for its
         own background work. ``sleeps``: the server's idle loop then blocks until a
         request comes or up to 1 s (``--sleep-on-idle``, the Rust server), so a
         later idle pass may be that far off; the same on every rank.
-        ``sessions_open``: SGLang holds open sessions (state that becomes cyclic
-        garbage later: nothing may be frozen)."""
+        ``holds_sessions``: asked before the linker freezes the heap, whether
+        SGLang holds requests of a session (cyclic garbage later: then nothing
+        is frozen); None: it holds none."""
 
     def lookup_groups(self, groups: int) -> None:
         """How many process groups ``lookup``'s restorable lengths are intersected
