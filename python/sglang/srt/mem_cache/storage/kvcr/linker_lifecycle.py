@@ -110,9 +110,9 @@ class LinkerLifecycle:
         came, collect and freeze the heap (``IdleFreezer``): full collections
         then skip KVCR's page objects. ``holds_sessions`` is asked last."""
         pages = self.stats.offload_pages + self.stats.prepared_pages
-        if not self.freezer.due(pages) or not self.offloader.queue.idle:
-            return
-        if not self.preparations.quiet:
+        queue = self.offloader.queue
+        busy = queue.has_deferred or queue.deposits_in_flight
+        if not self.freezer.due(pages) or busy or not self.preparations.quiet:
             return
         if holds_sessions is None or not holds_sessions():
             self.freezer.maybe_freeze(pages)

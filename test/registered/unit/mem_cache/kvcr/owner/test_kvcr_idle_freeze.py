@@ -4,7 +4,7 @@ collections stop walking KVCR's per-page objects.
 
 Over a real kvcr + NIXL on CPU tensors: nothing is frozen before the page
 count is reached, while a preparation is alive, while a deposit is in flight
-or while SGLang holds an open session; garbage cycles made before the
+or while SGLang holds a session's requests; garbage cycles made before the
 freeze are collected, never frozen; an evicted page's objects leave the frozen
 heap (kvcr's page objects hold no cycles, so reference counting still frees
 them); close gives every frozen object back to the collector.

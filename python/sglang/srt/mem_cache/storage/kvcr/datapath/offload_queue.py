@@ -193,11 +193,6 @@ class OffloadQueue:
         return bool(self._deferred)
 
     @property
-    def idle(self) -> bool:
-        """No deposit deferred, and none submitted whose result is still due."""
-        return not (self._deferred or self._pending)
-
-    @property
     def deferred_count(self) -> int:
         """Direct-path offloads still waiting for their fences."""
         return len(self._deferred)

@@ -9,15 +9,16 @@ stop of the scheduler, each time a quarter more objects have survived.
 warmup does, but only where that leaks nothing: on a fully idle scheduler pass
 (no request waiting or running, no deposit or preparation in flight), once at
 least ``gc_freeze_pages`` pages have been offloaded or prepared since the last
-freeze, it runs one full collection (which walks only what was not frozen: about
-what those pages added, the whole heap after a thaw) and then ``gc.freeze()``. Garbage cycles
-are collected before they could be frozen, and nothing is frozen while SGLang
-holds requests of a session (``sglang_hooks.session_pins``: a closed session
-is cyclic garbage). kvcr's page objects form no cycles, so an
-evicted page's objects are still freed by reference counting while frozen. Under load
-with no idle pass nothing is frozen and full collections are what they were.
-A flush, a KVCR restart and close ``thaw`` it all back: the old core's objects
-may hold cycles that only a collection frees.
+freeze, it runs one full collection (which walks only what is not frozen:
+about what those pages added, the whole heap after a thaw) and then
+``gc.freeze()``. Garbage cycles are collected before they could be frozen, and
+nothing is frozen while SGLang holds requests of a session
+(``sglang_hooks.session_pins``: a closed session is cyclic garbage). kvcr's
+page objects form no cycles, so an evicted page's objects are still freed by
+reference counting while frozen. Under load with no idle pass nothing is frozen
+and full collections are what they were. A flush, a KVCR restart and close
+``thaw`` it all back: the old core's objects may hold cycles that only a
+collection frees.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ _FROZEN = [False]
 class IdleFreezer:
     """``maybe_freeze(pages_seen)`` on each fully idle, quiet scheduler pass."""
 
-    __slots__ = ("_frozen", "_mark", "every_pages", "stats")
+    __slots__ = ("_mark", "every_pages", "stats")
 
     def __init__(self, every_pages: int, stats: LinkerStats) -> None:
         self.every_pages = every_pages  # 0: never freeze
@@ -53,9 +54,9 @@ class IdleFreezer:
         """Give every frozen object back to the collector, after a flush, a KVCR
         restart or at close: the old core's objects may hold cycles (threads,
         callbacks) that only a collection frees, and with them its memory.
-        SGLang's warmup-frozen objects go back too, so the next full collection
-        walks the whole heap (0.6 s with 1.2 million objects), and so does the
-        next quiet idle pass's, which freezes again. Nothing if no freezer of
+        SGLang's warmup-frozen objects go back too, so whichever comes first of
+        the next automatic full collection and the next idle freeze walks the
+        whole heap (0.6 s with 1.2 million objects). Nothing if no freezer of
         this process froze since the last thaw."""
         if not _FROZEN[0]:
             return
